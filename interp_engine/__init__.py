@@ -1,0 +1,26 @@
+"""interp_engine: activation capture for LLM interpretability.
+
+One address space (``resid_post.10``, ``z.7``, ``router_logits.3``, ...) over two backends —
+Hugging Face transformers (``"eager"``) and vLLM (``"vllm"``) — and a Ray cluster that serves
+either with the same calls.
+"""
+
+from .address import SITES as SITES
+from .address import Address as Address
+from .address import AddressError as AddressError
+from .address import ModelInfo as ModelInfo
+from .address import format_address as format_address
+from .address import parse_address as parse_address
+from .address import to_address as to_address
+from .analysis import head_contributions as head_contributions
+from .cache import Cache as Cache
+from .loading import ModelNotFound as ModelNotFound
+from .loading import load_model as load_model
+from .model import CaptureModel as CaptureModel
+from .model import Completion as Completion
+from .model import capture_generation as capture_generation
+from .model import run_with_cache as run_with_cache
+from .tokens import PAD_ID as PAD_ID
+from .tokens import InputError as InputError
+
+__version__ = "0.1.0"

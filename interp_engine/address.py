@@ -1,0 +1,215 @@
+"""Addresses: the names of the points in a model where activations can be read.
+
+An address is a value: ``Address(name, layer, stream)``. Its string form is
+``name.layer[.stream]`` (``"resid_post.10"``, ``"resid_streams.5.2"``), or the bare name for
+model-level points (``"logits"``). The same address means the same tensor on every backend.
+
+Which names exist, and which of them take a layer or a stream, is the table ``SITES`` below.
+Whether a given model serves a site (dense or MoE, how many layers and streams, which backend)
+is checked by :func:`check_points` against the model's :class:`ModelInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Union
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """What one address name means: its shape, and the coordinates it takes."""
+
+    name: str
+    shape: str
+    meaning: str
+    per_layer: bool = True
+    per_stream: bool = False
+    moe: bool = False
+    eager_only: bool = False
+
+
+SITES: dict[str, Site] = {
+    s.name: s
+    for s in [
+        Site("resid_pre", "[b, p, d_model]", "residual stream entering the layer"),
+        Site("attn_out", "[b, p, d_model]", "what the attention block adds to the residual"),
+        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out"),
+        Site("mlp_out", "[b, p, d_model]", "what the MLP / MoE block adds to the residual"),
+        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer"),
+        Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection"),
+        Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)"),
+        Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)"),
+        Site("v", "[b, p, n_kv_heads, d_head]", "values"),
+        Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", eager_only=True),
+        Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection"),
+        Site("router_logits", "[b, p, n_experts]", "MoE gate output", moe=True),
+        Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True),
+        Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True),
+        Site("resid_streams", "[b, p, d_model]", "stream S of the residual after the layer", per_stream=True),
+        Site("logits", "[b, p, vocab]", "final logits", per_layer=False),
+    ]
+}
+
+
+class AddressError(ValueError):
+    """An address that does not name a point of this model (the message lists what does)."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Address:
+    """One capture point: ``Address("resid_post", 10)``, ``Address("logits")``,
+    ``Address("resid_streams", 5, 2)``."""
+
+    name: str
+    layer: int | None = None
+    stream: int | None = None
+
+    def __post_init__(self):
+        if self.name not in SITES:
+            raise AddressError(f"unknown site {self.name!r}; known sites: {', '.join(SITES)}")
+        site = SITES[self.name]
+        for field in ("layer", "stream"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise AddressError(f"{field} of {self.name!r} must be an int, got {value!r}")
+        if site.per_layer and self.layer is None:
+            raise AddressError(f"{self.name!r} needs a layer, e.g. Address({self.name!r}, 0)")
+        if not site.per_layer and self.layer is not None:
+            raise AddressError(f"{self.name!r} is model-level and takes no layer: Address({self.name!r})")
+        if site.per_stream and self.stream is None:
+            raise AddressError(f"{self.name!r} needs a stream, e.g. Address({self.name!r}, 0, 0)")
+        if not site.per_stream and self.stream is not None:
+            raise AddressError(f"{self.name!r} takes no stream; only 'resid_streams' does")
+
+    def __str__(self) -> str:
+        return format_address(self)
+
+
+AddressLike = Union[Address, str, tuple]
+
+
+def format_address(address: Address) -> str:
+    """``Address("z", 7)`` -> ``"z.7"``; the inverse of :func:`parse_address`."""
+    parts = [address.name]
+    parts += [str(x) for x in (address.layer, address.stream) if x is not None]
+    return ".".join(parts)
+
+
+def parse_address(text: str) -> Address:
+    """``"resid_post.10"`` -> ``Address("resid_post", 10)``; the inverse of :func:`format_address`."""
+    if not isinstance(text, str):
+        raise AddressError(f"parse_address takes a string like 'resid_post.10', got {type(text).__name__}")
+    name, *coords = text.strip().split(".")
+    try:
+        numbers = [int(c) for c in coords]
+    except ValueError:
+        raise AddressError(
+            f"cannot parse {text!r}: the form is name.layer[.stream] with integer coordinates, "
+            f"e.g. 'resid_post.10' or 'resid_streams.5.2'"
+        ) from None
+    if len(numbers) > 2:
+        raise AddressError(f"cannot parse {text!r}: at most a layer and a stream follow the name")
+    return Address(name, *numbers)
+
+
+def to_address(point: AddressLike) -> Address:
+    """Accept an Address, its string form, or a tuple ``(name, layer[, stream])``."""
+    if isinstance(point, Address):
+        return point
+    if isinstance(point, str):
+        return parse_address(point)
+    if isinstance(point, tuple) and point and isinstance(point[0], str):
+        return Address(*point)
+    raise AddressError(
+        f"cannot read {point!r} as an address: use Address('resid_post', 10), "
+        f"'resid_post.10' or ('resid_post', 10)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """The facts about a model that decide which addresses it serves and their shapes."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int
+    n_streams: int = 1
+    n_experts: int = 0
+    top_k: int = 0
+    moe_layers: tuple[int, ...] = ()
+    family: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+def valid_sites(info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> list[str]:
+    """The site names this model serves on this backend."""
+    unserved = set(unserved)
+    names = []
+    for site in SITES.values():
+        if site.moe and not info.is_moe:
+            continue
+        if site.eager_only and backend != "eager":
+            continue
+        if site.name not in unserved:
+            names.append(site.name)
+    return names
+
+
+def check_address(address: Address, info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> None:
+    """Raise an :class:`AddressError` that lists the valid options unless this model serves
+    ``address`` on ``backend``. ``unserved`` names sites the backend cannot read exactly."""
+    site = SITES[address.name]
+    unserved = set(unserved)
+    if site.moe and not info.is_moe:
+        raise AddressError(
+            f"{format_address(address)!r}: {info.name} is a dense model and has no MoE router; "
+            f"valid sites: {', '.join(valid_sites(info, backend, unserved))}"
+        )
+    if site.eager_only and backend != "eager":
+        raise AddressError(
+            f"{format_address(address)!r} is eager-only: the {backend} backend never forms it. "
+            f"Load the model with backend='eager' to capture it."
+        )
+    if address.name in unserved:
+        raise AddressError(
+            f"{format_address(address)!r} is not served on the {backend} backend; "
+            f"valid sites there: {', '.join(valid_sites(info, backend, unserved))}"
+        )
+    if site.per_layer:
+        layers = info.moe_layers if site.moe and info.moe_layers else range(info.n_layers)
+        if address.layer not in layers:
+            shown = f"0..{info.n_layers - 1}" if layers == range(info.n_layers) else str(list(layers))
+            raise AddressError(
+                f"{format_address(address)!r}: layer {address.layer} is out of range; "
+                f"{info.name} has layers {shown} for {address.name!r}"
+            )
+    if site.per_stream and not 0 <= address.stream < info.n_streams:
+        what = "a single residual stream, so only stream 0" if info.n_streams == 1 else f"streams 0..{info.n_streams - 1}"
+        raise AddressError(f"{format_address(address)!r}: {info.name} has {what}")
+
+
+def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> list[Address]:
+    """Turn the user's point list into Addresses, checked against the model.
+
+    Duplicates are dropped (the first occurrence keeps its place): asking twice for a point
+    captures it once.
+    """
+    if isinstance(points, (str, Address)):
+        points = [points]
+    points = list(points)
+    if not points:
+        raise AddressError("no points to capture: pass e.g. ['resid_post.0'] or [Address('resid_post', 0)]")
+    addresses = list(dict.fromkeys(to_address(p) for p in points))
+    for address in addresses:
+        check_address(address, info, backend, unserved)
+    return addresses

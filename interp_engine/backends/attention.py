@@ -1,0 +1,99 @@
+"""Reading q, k, v and the attention pattern from Hugging Face attention layers.
+
+transformers computes attention through a named function from its ``AttentionInterface``
+registry, after rotary embeddings and any qk-norm. We register two names that wrap the
+standard ones — ``interp_sdpa`` (around ``sdpa``) and ``interp_eager`` (around the family's own
+eager function, which forms the probabilities, with softcapping where the family has it) — and
+tell any listener attached to an attention module what went in and came out. With no listener
+the wrappers only forward the call.
+
+A model runs ``interp_sdpa`` by default; a call that asks for ``pattern`` switches it to
+``interp_eager`` for that call only, since SDPA never forms the probabilities.
+
+Written against transformers 5.19 (``AttentionInterface``, ``AttentionMaskInterface``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+SDPA = "interp_sdpa"
+EAGER = "interp_eager"
+
+# attention module -> callback(query, key, value, weights); weak so a dropped model frees itself
+_LISTENERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _family_eager(module) -> Callable:
+    """The family's own eager attention function (it knows its softcapping and scaling)."""
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+
+
+def _notify(module, query, key, value, weights):
+    listener = _LISTENERS.get(module)
+    if listener is not None:
+        listener(query, key, value, weights)
+
+
+def _interp_sdpa(module, query, key, value, attention_mask, **kwargs):
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    _notify(module, query, key, value, weights)
+    return out, weights
+
+
+def _interp_eager(module, query, key, value, attention_mask, **kwargs):
+    out, weights = _family_eager(module)(module, query, key, value, attention_mask, **kwargs)
+    _notify(module, query, key, value, weights)
+    return out, weights
+
+
+def _register() -> None:
+    if SDPA not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(SDPA, _interp_sdpa)
+        ALL_ATTENTION_FUNCTIONS.register(EAGER, _interp_eager)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA, sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER, eager_mask)
+
+
+def set_implementation(hf_model, name: str) -> None:
+    """Point every config in the model at the attention implementation ``name``."""
+    _register()
+    for module in hf_model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def implementation(hf_model) -> str:
+    return hf_model.config._attn_implementation
+
+
+@contextlib.contextmanager
+def using(hf_model, name: str):
+    """Run with attention implementation ``name``, restoring the previous one afterwards."""
+    previous = implementation(hf_model)
+    if previous == name:
+        yield
+        return
+    set_implementation(hf_model, name)
+    try:
+        yield
+    finally:
+        set_implementation(hf_model, previous)
+
+
+@contextlib.contextmanager
+def listening(module, callback):
+    """Call ``callback(query, key, value, weights)`` each time ``module`` attends."""
+    _LISTENERS[module] = callback
+    try:
+        yield
+    finally:
+        _LISTENERS.pop(module, None)

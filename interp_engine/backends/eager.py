@@ -1,0 +1,127 @@
+"""The eager backend: Hugging Face transformers with forward hooks.
+
+It serves every site, padded batches and gradients. A capture hooks only the requested
+modules, keeps the tensors the model itself computed (no recomputation), and stops the forward
+after the last requested layer when the logits are not asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import torch
+
+from ..address import Address
+from ..archs import arch_for, model_info
+from ..cache import Cache
+from ..model import CaptureModel, Completion, Sampling
+from ..tokens import InputError, Tokenizer
+from . import attention
+from .recorder import Recorder, StopForward
+from .sampling import sample_next
+
+
+def zero_padding(tensor: torch.Tensor, mask: torch.Tensor, address: Address) -> torch.Tensor:
+    """Zero every padded position (query rows of a pattern), so padding never reads as data."""
+    if address.name == "pattern":
+        keep = mask[:, None, :, None]
+    else:
+        keep = mask.reshape(*mask.shape, *([1] * (tensor.dim() - 2)))
+    return torch.where(keep.to(tensor.device), tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+
+
+class EagerModel(CaptureModel):
+    backend = "eager"
+    batched = True
+
+    def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
+        self.hf = hf_model.eval()
+        self.arch = arch_for(hf_model.config)
+        self.info = model_info(hf_model.config, name)
+        self.tok = Tokenizer(hf_tokenizer)
+        self.requires_grad = requires_grad
+        self.hf.requires_grad_(requires_grad)
+        self._lock = threading.Lock()
+        wrapped = attention.EAGER if attention.implementation(self.hf) == "eager" else attention.SDPA
+        attention.set_implementation(self.hf, wrapped)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    def o_proj_weight(self, layer: int) -> torch.Tensor:
+        return self.hf.get_submodule(self.arch.layers)[layer].get_submodule(self.arch.o_proj).weight
+
+    def _grad_context(self, detach: bool):
+        if detach:
+            return torch.inference_mode() if not self.requires_grad else torch.no_grad()
+        if not self.requires_grad:
+            raise InputError(
+                "detach=False needs a model loaded for gradients: "
+                "load_model(name, backend='eager', requires_grad=True)"
+            )
+        return contextlib.nullcontext()
+
+    def _recorder(self, addresses, *, detach, stop_early):
+        return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early)
+
+    def _run(self, tokens, addresses, *, detach):
+        mask = tokens >= 0
+        want_logits = Address("logits") in addresses
+        with self._lock, self._grad_context(detach):
+            with self._recorder(addresses, detach=detach, stop_early=not want_logits) as recorder:
+                try:
+                    out = self.hf(
+                        input_ids=tokens.clamp(min=0).to(self.device),
+                        attention_mask=mask.to(self.device),
+                        use_cache=False,
+                        logits_to_keep=0 if want_logits else 1,
+                    )
+                    recorder.keep(Address("logits"), out.logits)
+                except StopForward:
+                    pass
+        recorded = recorder.result()
+        if not mask.all():
+            recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
+        return Cache(recorded, tokens, mask, self.name, self.backend)
+
+    def _generate(self, tokens, addresses, options: Sampling):
+        from transformers import DynamicCache
+
+        generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
+        generated: list[int] = []
+        finish = "length"
+        past = DynamicCache(config=self.hf.config)
+        step_ids = tokens.to(self.device)
+        with self._lock, torch.inference_mode():
+            with self._recorder(addresses, detach=True, stop_early=False) as recorder:
+                for _ in range(options.max_tokens):
+                    start = past.get_seq_length()
+                    position = torch.arange(start, start + step_ids.shape[1], device=self.device)
+                    out = self.hf(input_ids=step_ids, position_ids=position[None], past_key_values=past,
+                                  use_cache=True)
+                    past = out.past_key_values
+                    recorder.keep(Address("logits"), out.logits)
+                    next_id = sample_next(out.logits[0, -1], options, generator)
+                    generated.append(next_id)
+                    if options.stop_at_eos and next_id == self.tok.eos_token_id:
+                        finish = "stop"
+                        break
+                    step_ids = torch.tensor([[next_id]], device=self.device)
+        fed = torch.cat([tokens, torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
+        completion = Completion(self.tok.decode(generated), generated, finish)
+        return completion, Cache(recorder.result(), fed, None, self.name, self.backend)
+
+    async def _capture(self, tokens, addresses, options):
+        if options is None:
+            cache = await asyncio.to_thread(self._run, tokens, addresses, detach=True)
+        else:
+            _, cache = await asyncio.to_thread(self._generate, tokens, addresses, options)
+        return cache.to_dict()
+
+    def close(self):
+        pass
+
+

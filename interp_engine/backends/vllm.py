@@ -1,0 +1,190 @@
+"""The vLLM backend: the same address space, read from a running vLLM engine.
+
+``load_model(name, backend="vllm")`` starts a vLLM engine (see :mod:`.vllm_engine` for the
+options it fixes and why) and a thread that drives it (:mod:`.vllm_loop`). Each call is one
+engine request for one prompt at its true length, so a ``[2, pos]`` batch is refused:
+``await model.capture(...)`` many prompts at once instead, and they share the engine's
+continuous batching. Workers record each request's rows at its points
+(:mod:`.vllm_hooks`); this module puts the ranks' pieces together into ``[1, pos, ...]``
+tensors with the same shapes as the eager backend's.
+
+Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``v`` (as the
+attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
+``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``). ``pattern`` is never formed
+by vLLM's fused attention, and vLLM builds no autograd graph: both are clear errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+import torch
+
+from ..address import SITES, Address
+from ..archs import arch_for, model_info
+from ..archs.vllm_sites import LOGITS, vllm_sites
+from ..cache import Cache
+from ..model import CaptureModel, Completion, Sampling
+from ..tokens import InputError, Tokenizer
+from .vllm_engine import engine_options, start_engine, stop_engine
+from .vllm_loop import EngineLoop, Finished, Job, run_on_loop
+
+#: sites read under another name on a single-stream model
+_SAME_AS = {"resid_streams": "resid_post"}
+
+
+def _sampling_params(options: Sampling | None):
+    from vllm import SamplingParams
+
+    if options is None:  # a prefill only: one token is sampled and thrown away
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    return SamplingParams(
+        max_tokens=options.max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        seed=options.seed,
+        ignore_eos=not options.stop_at_eos,
+    )
+
+
+class VllmModel(CaptureModel):
+    backend = "vllm"
+    batched = False
+
+    def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int):
+        self.llm = llm
+        self.arch = arch_for(hf_config)
+        self.sites = vllm_sites(self.arch.family)
+        self.info = model_info(hf_config, name)
+        self.tok = Tokenizer(hf_tokenizer)
+        self.max_model_len = max_model_len
+        self.tensor_parallel_size = tensor_parallel_size
+        self.unserved = frozenset(s for s in SITES if s not in self.sites and s not in (LOGITS, *_SAME_AS))
+        self._weights: dict[int, torch.Tensor] = {}
+        self._loop = EngineLoop(llm.llm_engine)
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
+
+    # -- facts ----------------------------------------------------------------------------------
+    def o_proj_weight(self, layer: int) -> torch.Tensor:
+        if layer not in self._weights:
+            blocks = run_on_loop(self._loop, "interp_o_proj_weight", layer, self.arch.o_proj)
+            self._weights[layer] = torch.cat(blocks, dim=1)
+        return self._weights[layer]
+
+    def check(self, tokens, points, *, single=None):
+        tokens, addresses = super().check(tokens, points, single=single)
+        if tokens.shape[1] > self.max_model_len:
+            raise InputError(
+                f"prompt of {tokens.shape[1]} tokens is longer than this engine's max_model_len="
+                f"{self.max_model_len}; truncate it (tokens[:, :{self.max_model_len}]) or load the model with a "
+                f"larger max_model_len (up to {self.info.n_ctx}): load_model(..., backend='vllm', max_model_len=N)"
+            )
+        return tokens, addresses
+
+    # -- the calls ------------------------------------------------------------------------------
+    def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None):
+        wire = sorted({str(self._read_as(a)) for a in addresses})
+        job = Job(tokens[0].tolist(), _sampling_params(options), wire)
+        return self._loop.submit(job)
+
+    def _run(self, tokens, addresses, *, detach):
+        if not detach:
+            raise InputError(
+                "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
+                "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
+            )
+        finished = self._submit(tokens, addresses, None).result()
+        return Cache(self._tensors(finished, addresses, tokens.shape[1]), tokens, None, self.name, self.backend)
+
+    def _generate(self, tokens, addresses, options):
+        finished = self._submit(tokens, addresses, options).result()
+        return self._completion(finished, tokens, addresses)
+
+    async def _capture(self, tokens, addresses, options):
+        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options))
+        if options is None:
+            return self._tensors(finished, addresses, tokens.shape[1])
+        return self._completion(finished, tokens, addresses)[1].to_dict()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- putting ranks together -----------------------------------------------------------------
+    def _completion(self, finished: Finished, tokens, addresses):
+        out = finished.output.outputs[0]
+        generated = list(out.token_ids)
+        completion = Completion(self.tok.decode(generated), generated, out.finish_reason or "")
+        fed = torch.cat([tokens, torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
+        cache = Cache(self._tensors(finished, addresses, fed.shape[1]), fed, None, self.name, self.backend)
+        return completion, cache
+
+    def _read_as(self, address: Address) -> Address:
+        if address.name in _SAME_AS:
+            return Address(_SAME_AS[address.name], address.layer)
+        return address
+
+    def _tensors(self, finished: Finished, addresses: list[Address], n: int) -> dict[Address, torch.Tensor]:
+        return {a: self._assemble(self._read_as(a), finished.ranks, n) for a in addresses}
+
+    def _holders(self, shard: str) -> list[int]:
+        """The ranks whose pieces make up a site, in rank order."""
+        tp = self.tensor_parallel_size
+        if not shard or tp == 1:
+            return [0]
+        if shard == "kv" and self.info.n_kv_heads < tp:  # each kv head replicated on tp / n_kv ranks
+            return list(range(0, tp, tp // self.info.n_kv_heads))
+        return list(range(tp))
+
+    def _assemble(self, address: Address, ranks: list[dict], n: int) -> torch.Tensor:
+        read = self.sites.get(address.name)
+        pieces = []
+        for rank in self._holders(read.shard if read else ""):
+            rows, seen = ranks[rank][str(address)]
+            if rows.shape[0] < n or not bool(seen[:n].all()):
+                raise RuntimeError(
+                    f"[Internal] rank {rank} recorded {int(seen[:n].sum())} of {n} positions for {address}"
+                )
+            pieces.append(rows[:n])
+        tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+        if address.name in ("z", "q"):
+            tensor = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
+        elif address.name in ("k", "v"):
+            tensor = tensor.unflatten(-1, (self.info.n_kv_heads, self.info.d_head))
+        return tensor[None]
+
+
+def _shutdown(loop: EngineLoop, llm) -> None:
+    loop.close()
+    stop_engine(llm)
+
+
+def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_parallel_size: int = 1,
+              max_model_len: int | None = None, **options) -> VllmModel:
+    """Start a vLLM capture engine for the Hugging Face folder ``path``.
+
+    ``options`` are further ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``max_num_seqs``,
+    ``seed``, ...); the few that would change what is captured are fixed (see
+    :mod:`.vllm_engine`). ``max_model_len`` defaults to the model's context length.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    info = model_info(config, name)
+    vllm_sites(arch_for(config).family)  # an unsupported family fails before the engine starts
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    if info.n_heads % tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} must divide the {info.n_heads} attention heads of {name}"
+        )
+    max_model_len = int(max_model_len or info.n_ctx)
+    llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return VllmModel(llm, config, tokenizer, name, max_model_len=max_model_len,
+                         tensor_parallel_size=tensor_parallel_size)
+    except BaseException:
+        stop_engine(llm)
+        raise

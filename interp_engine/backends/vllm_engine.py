@@ -1,0 +1,118 @@
+"""Building and stopping the vLLM engine that the vLLM backend captures from.
+
+Some engine options would silently change what is captured, so they are fixed here and a
+caller who asks otherwise gets an error that says why:
+
+- ``enforce_eager=True``: with compiled graphs, hooks registered after start-up never fire.
+  Cost: no torch.compile / CUDA graphs (slower decode on GPU; on CPU it also skips warm-up).
+- ``enable_prefix_caching=False``: a cached prefix is never recomputed, so its positions would
+  have no activations. Cost: shared prompt prefixes are recomputed.
+- ``enable_chunked_prefill=False`` with ``max_num_batched_tokens >= max_model_len``: every prompt
+  is prefilled in one forward. Cost: a long prefill stalls the decodes batched with it.
+- no speculative decoding: draft tokens would run positions that are later rejected.
+- ``async_scheduling=False``: the engine never schedules a step past a request's end.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). With
+``tensor_parallel_size > 1`` vLLM starts one worker process per rank; on a CPU with one NUMA
+node each rank needs its own cores, so ``VLLM_CPU_OMP_THREADS_BIND`` is set (``"0|1"`` style)
+unless the caller set it. Written against vLLM 0.32.0, which caches its environment variables
+once an engine starts (``vllm.envs.enable_envs_cache``); the cache is cleared before a new
+engine reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+#: engine options the backend fixes, and why a different value would break capture
+FIXED_OPTIONS = {
+    "enforce_eager": (True, "compiled graphs skip the capture hooks"),
+    "enable_prefix_caching": (False, "cached prefix positions are never recomputed, so they would have no activations"),
+    "enable_chunked_prefill": (False, "each prompt is prefilled in one forward (the row bookkeeping would cope with chunks, but split prefills are untested)"),
+    "async_scheduling": (False, "the engine could run a step past a request's end"),
+    "speculative_config": (None, "draft tokens run positions that are later rejected"),
+}
+
+
+def engine_options(path, dtype: torch.dtype, tensor_parallel_size: int, max_model_len: int, options: dict) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for a capture engine (caller's options checked)."""
+    options = dict(options)
+    for key, (value, why) in FIXED_OPTIONS.items():
+        if key in options and options[key] != value:
+            raise ValueError(
+                f"{key}={options[key]!r} is not allowed on the vLLM capture backend: {why}. "
+                f"It is always {value!r}; drop the option."
+            )
+        options.pop(key, None)
+    if "worker_extension_cls" in options:
+        raise ValueError("worker_extension_cls is set by the vLLM capture backend itself; drop the option")
+    batched = options.pop("max_num_batched_tokens", None) or max_model_len
+    if batched < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={batched} < max_model_len={max_model_len}: a prompt must fit in one "
+            f"forward (no chunked prefill). Raise it, or lower max_model_len."
+        )
+    if tensor_parallel_size > 1:
+        options.setdefault("distributed_executor_backend", "mp")
+    return dict(
+        model=str(path),
+        dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched,
+        worker_extension_cls="interp_engine.backends.vllm_extension.CaptureExtension",
+        disable_log_stats=True,
+        seed=options.pop("seed", 0),
+        **{key: value for key, (value, _) in FIXED_OPTIONS.items()},
+        **options,
+    )
+
+
+def _thread_binding(tensor_parallel_size: int) -> str:
+    """``"0|1"``: one group of this process's cores per rank (reused if there are fewer cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        groups = [[cores[r % len(cores)]] for r in range(tensor_parallel_size)]
+    else:
+        size = len(cores) // tensor_parallel_size
+        groups = [cores[r * size : (r + 1) * size] for r in range(tensor_parallel_size)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+@contextlib.contextmanager
+def _environment(tensor_parallel_size: int):
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if tensor_parallel_size > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        wanted["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(tensor_parallel_size)
+    previous = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_engine(options: dict):
+    """A started ``vllm.LLM`` built from :func:`engine_options`."""
+    from vllm import LLM
+
+    with _environment(options["tensor_parallel_size"]):
+        return LLM(**options)
+
+
+def stop_engine(llm) -> None:
+    """Shut the engine core and its worker processes down."""
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None:
+        engine.engine_core.shutdown()

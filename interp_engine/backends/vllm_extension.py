@@ -1,0 +1,63 @@
+"""The methods the vLLM backend calls on every worker, by name.
+
+vLLM mixes a ``worker_extension_cls`` into its worker class, and ``collective_rpc("name")``
+runs that method on every worker (in this process for one rank, in each worker process under
+tensor parallelism). Only method names and plain data (dicts, lists, strings, tensors) cross
+the process boundary, so no callable is ever pickled and vLLM's insecure-serialization switch
+stays off. All names start with ``interp_`` so they cannot clash with the worker's own.
+
+Written against vLLM 0.32.0 (``WorkerWrapperBase`` applies ``worker_extension_cls``; the
+worker holds ``model_runner``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .vllm_hooks import Recorder
+
+
+class CaptureExtension:
+    """Mixed into the vLLM worker: a :class:`Recorder` per worker, and weight reads."""
+
+    def _interp_recorder(self) -> Recorder:
+        recorder = getattr(self, "_interp_state", None)
+        if recorder is None:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            recorder = Recorder(self.model_runner, tp_rank=get_tensor_model_parallel_rank())
+            self._interp_state = recorder
+        return recorder
+
+    def interp_register(self, requests: dict[str, list[str]]) -> None:
+        self._interp_recorder().register(requests)
+
+    def interp_take(self, request_ids: list[str]) -> dict:
+        return self._interp_recorder().take(request_ids)
+
+    def interp_release(self, request_ids: list[str]) -> None:
+        self._interp_recorder().release(request_ids)
+
+    def interp_pending(self) -> list[str]:
+        """Requests registered on this worker and not taken yet (tests check it ends empty)."""
+        return sorted(self._interp_recorder().wanted)
+
+    def interp_hook_count(self) -> int:
+        """Hooks installed right now (an idle engine has none)."""
+        return len(self._interp_recorder()._handles)
+
+    def interp_o_proj_weight(self, layer: int, path: str) -> torch.Tensor:
+        """This rank's block of layer ``layer``'s attention output projection weight
+        ``[d_model, heads_on_this_rank * d_head]`` (``path`` is relative to the layer).
+
+        vLLM's CPU backend repacks linear weights for its GEMM kernels and leaves an empty
+        ``weight``; then the layer's own matmul is applied to the identity, which gives the
+        weight back exactly (each output is one weight times 1 plus zeros)."""
+        linear = self._interp_recorder().layers[layer].get_submodule(path)
+        weight = linear.weight
+        if weight.numel():
+            return weight.detach().clone()
+        width = linear.input_size_per_partition
+        with torch.inference_mode():
+            identity = torch.eye(width, dtype=linear.params_dtype)
+            return linear.quant_method.apply(linear, identity, bias=None).t().contiguous()

@@ -1,0 +1,183 @@
+"""One thread that owns the vLLM engine and drives its step loop.
+
+Every capture — ``run_with_cache``, ``capture_generation`` and each ``await model.capture(...)``
+— becomes a :class:`Job` posted to this thread. Between engine steps the thread admits the new
+jobs (``add_request``, then registers their points on every worker), runs one ``step()`` for
+all running requests together (continuous batching), and for each request that finished takes
+its recorded rows from the workers and resolves the job's future. Synchronous calls wait on
+the future; async ones await it. Because only this thread touches the engine, hooks, row
+bookkeeping and ``collective_rpc`` never race.
+
+A job whose future is cancelled (an abandoned ``await``) is aborted in the engine. An engine
+failure fails every job in flight, and later calls, with the original error attached.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import queue
+import threading
+from typing import Any
+
+
+class EngineStopped(RuntimeError):
+    """The engine was closed, or failed; load the model again."""
+
+
+@dataclasses.dataclass
+class Job:
+    prompt: list[int]
+    params: Any  # vllm.SamplingParams
+    points: list[str]
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    internal_id: str = ""
+
+
+@dataclasses.dataclass
+class Finished:
+    """A finished request: vLLM's ``RequestOutput`` and, per rank, ``{address: (rows, seen)}``."""
+
+    output: Any
+    ranks: list[dict]
+
+
+def _resolve(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    if future.done():  # cancelled by its caller
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine  # vllm.v1.engine.llm_engine.LLMEngine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[str, Job] = {}
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="interp-vllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from any thread -----------------------------------------------------------------
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        self._check_open()
+        self._inbox.put(("job", job))
+        return job.future
+
+    def call(self, method: str, *args) -> concurrent.futures.Future:
+        """``collective_rpc(method, args)`` between steps; the future holds one result per rank."""
+        self._check_open()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (method, args), future))
+        return future
+
+    def close(self, timeout: float = 60.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+        self._drain(EngineStopped("this model was closed; load_model(...) again to capture"))
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise EngineStopped(f"the vLLM engine failed earlier and cannot serve: {self._error!r}") from self._error
+        if self._closed:
+            raise EngineStopped("this model was closed; load_model(...) again to capture")
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._admit(block=not self.engine.has_unfinished_requests()):
+                    break
+                self._abort_cancelled()
+                if self.engine.has_unfinished_requests():
+                    self._finish([o for o in self.engine.step() if o.finished])
+        except BaseException as err:  # the engine is unusable now: tell everyone waiting
+            self._error = err
+        finally:
+            error = self._error or EngineStopped("the model was closed while this capture was running")
+            for job in self._jobs.values():
+                _resolve(job.future, error=error)
+            self._jobs.clear()
+            self._drain(error)
+
+    def _admit(self, block: bool) -> bool:
+        """Take everything posted so far (waiting for one item if ``block``); False on stop."""
+        new: dict[str, list[str]] = {}
+        try:
+            item = self._inbox.get() if block else self._inbox.get_nowait()
+            while True:
+                if item[0] == "stop":
+                    self._register(new)
+                    return False
+                if item[0] == "call":
+                    self._register(new)
+                    new = {}
+                    (method, args), future = item[1], item[2]
+                    try:
+                        _resolve(future, self.engine.collective_rpc(method, args=args))
+                    except Exception as err:
+                        _resolve(future, error=err)
+                else:
+                    self._add(item[1], new)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        self._register(new)
+        return True
+
+    def _add(self, job: Job, new: dict[str, list[str]]) -> None:
+        if job.future.cancelled():
+            return
+        external = f"interp{next(self._ids)}"
+        try:
+            job.internal_id = self.engine.add_request(external, {"prompt_token_ids": job.prompt}, job.params)
+        except Exception as err:  # an input vLLM refuses: fail this job only
+            _resolve(job.future, error=err)
+            return
+        self._jobs[external] = job
+        new[job.internal_id] = job.points
+
+    def _register(self, new: dict[str, list[str]]) -> None:
+        if new:
+            self.engine.collective_rpc("interp_register", args=(new,))
+
+    def _abort_cancelled(self) -> None:
+        gone = [external for external, job in self._jobs.items() if job.future.cancelled()]
+        if gone:
+            self.engine.abort_request(gone)
+            self.engine.collective_rpc("interp_release", args=([self._jobs[e].internal_id for e in gone],))
+            for external in gone:
+                del self._jobs[external]
+
+    def _finish(self, outputs: list) -> None:
+        outputs = [o for o in outputs if o.request_id in self._jobs]
+        if not outputs:
+            return
+        jobs = [self._jobs.pop(o.request_id) for o in outputs]
+        ranks = self.engine.collective_rpc("interp_take", args=([job.internal_id for job in jobs],))
+        for output, job in zip(outputs, jobs):
+            _resolve(job.future, Finished(output, [rank[job.internal_id] for rank in ranks]))
+
+    def _drain(self, error: BaseException) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            future = item[1].future if item[0] == "job" else item[2] if item[0] == "call" else None
+            if future is not None:
+                _resolve(future, error=error)
+
+
+def run_on_loop(loop: EngineLoop, method: str, *args) -> list:
+    """Blocking :meth:`EngineLoop.call`."""
+    return loop.call(method, *args).result()
+

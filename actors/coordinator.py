@@ -1,0 +1,169 @@
+"""The coordinator: shards work over the replicas and puts the results back together.
+
+:class:`CoordinatorCore` is plain Python over an :class:`~.scheduler.Executor`, so the tests
+drive it with in-process replicas; :func:`coordinator_actor` is the Ray shell, which plugs in
+:class:`RayExecutor` (actor calls and ``ray.wait``).
+
+- ``run``: a padded batch is cut into row shards (a row per shard for one-prompt backends, so
+  vLLM replicas see each prompt at its true length; contiguous chunks for batched ones, at the
+  batch's own width), run on the replicas, and joined back in input order at the input width.
+- ``generate``: one prompt, on whichever replica is free (and another if that one dies).
+- ``build``: dataset shards, written by the replicas; progress is read with ``progress``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from interp_engine.address import parse_address
+from interp_engine.dataset_shard import ShardSpec, ShardStats
+
+from .batching import join_rows
+from .scheduler import ReplicaDied, Scheduler, Shard
+from .wire import Captured, Generated, pack_dict
+
+
+class CoordinatorCore:
+    def __init__(self, executor, n_replicas: int, *, batched: bool, per_replica: int = 2,
+                 names: dict[int, str] | None = None):
+        self.executor = executor
+        self.replicas = list(range(n_replicas))
+        self.batched = batched
+        self.per_replica = per_replica
+        self.names = names or {}
+        self._lock = threading.Lock()
+        self._progress: list[ShardStats] = []
+        self.resubmitted = 0
+
+    def _scheduler(self) -> Scheduler:
+        with self._lock:
+            live = [r for r in self.replicas if r not in getattr(self, "_dead", set())]
+        return Scheduler(self.executor, live, per_replica=self.per_replica, names=self.names)
+
+    def _forget(self, scheduler: Scheduler) -> None:
+        """Later calls skip replicas this call found dead."""
+        with self._lock:
+            self._dead = getattr(self, "_dead", set()) | set(scheduler.dead)
+            self.resubmitted += scheduler.resubmitted
+
+    def run(self, tokens: np.ndarray, points: list[str]) -> Captured:
+        tokens = np.asarray(tokens)
+        shards = self._row_shards(tokens, list(points))
+        scheduler = self._scheduler()
+        results: dict[int, Captured] = {}
+        try:
+            for shard, captured in scheduler.run("run", shards):
+                results[shard.index] = captured
+        finally:
+            self._forget(scheduler)
+        parts = [results[i] for i in range(len(shards))]
+        if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
+            return parts[0]
+        tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
+        joined, padded = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts], tokens.shape[1])
+        return Captured(pack_dict(joined), padded.numpy())
+
+    def _row_shards(self, tokens: np.ndarray, points: list[str]) -> list[Shard]:
+        if not self.batched:
+            rows = [row[row >= 0][None] for row in tokens]
+            return [Shard(i, (row, points)) for i, row in enumerate(rows)]
+        n = min(len(self.replicas), tokens.shape[0])
+        bounds = np.linspace(0, tokens.shape[0], n + 1).astype(int)
+        return [Shard(i, (tokens[a:b], points)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+
+    def generate(self, tokens: np.ndarray, points: list[str], options: dict) -> Generated:
+        scheduler = self._scheduler()
+        try:
+            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options))]):
+                return generated
+        finally:
+            self._forget(scheduler)
+        raise RuntimeError("[Internal] the generate shard produced no result")
+
+    def build(self, spec: ShardSpec, source, skip: set[int]) -> int:
+        """Write every shard not in ``skip``; returns how many were written."""
+        shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip))
+        scheduler = self._scheduler()
+        written = 0
+        try:
+            for _, stats in scheduler.run("write_shard", shards):
+                with self._lock:
+                    self._progress.append(stats)
+                written += 1
+        finally:
+            self._forget(scheduler)
+        return written
+
+    def progress(self, since: int = 0) -> list[ShardStats]:
+        with self._lock:
+            return self._progress[since:]
+
+    def reset_progress(self) -> None:
+        with self._lock:
+            self._progress = []
+
+
+class RayExecutor:
+    """Runs scheduler calls as Ray actor calls on the replica handles."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def submit(self, replica: int, method: str, *args):
+        return getattr(self.handles[replica], method).remote(*args)
+
+    def wait(self, futures: list, timeout: float | None) -> list:
+        import ray
+
+        ready, _ = ray.wait(futures, num_returns=1, timeout=timeout)
+        if ready:
+            more, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
+            ready = list(dict.fromkeys(ready + more))
+        return ready
+
+    def result(self, future) -> Any:
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+        try:
+            return ray.get(future)
+        except (ActorDiedError, ActorUnavailableError) as err:
+            raise ReplicaDied(-1, type(err).__name__) from None  # the scheduler knows which replica
+        except RayTaskError as err:
+            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+
+
+def coordinator_actor():
+    """The Ray actor class around :class:`CoordinatorCore` (threaded: progress is read while a
+    build runs, and async captures overlap)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=64)
+    class CoordinatorActor:
+        def __init__(self, handles: list, batched: bool, per_replica: int, names: dict[int, str]):
+            self.core = CoordinatorCore(RayExecutor(handles), len(handles), batched=batched,
+                                        per_replica=per_replica, names=names)
+
+        def run(self, tokens, points):
+            return self.core.run(tokens, points)
+
+        def generate(self, tokens, points, options):
+            return self.core.generate(tokens, points, options)
+
+        def build(self, spec, source, skip):
+            return self.core.build(spec, source, skip)
+
+        def progress(self, since: int = 0):
+            return self.core.progress(since)
+
+        def reset_progress(self):
+            self.core.reset_progress()
+
+        def resubmitted(self) -> int:
+            return self.core.resubmitted
+
+    return CoordinatorActor

@@ -1,0 +1,116 @@
+"""A replica: one copy of the model, serving capture calls for the coordinator.
+
+:class:`ReplicaCore` is a plain class (tested without Ray): it loads the model from a
+:class:`ReplicaSpec` with :func:`interp_engine.load_model`, and answers with plain data (numpy
+arrays, see :mod:`.wire`). :data:`ReplicaActor` is the Ray shell around it; the cluster model
+places one per replica, with the GPUs it needs (``tensor_parallel_size`` of them for vLLM,
+together on one node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from interp_engine.address import parse_address
+from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
+from interp_engine.model import CaptureModel
+
+from .batching import run_padded
+from .wire import Captured, Generated, pack_dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """How to load the model on a replica: the arguments of a local ``load_model`` call."""
+
+    name_or_path: str
+    backend: str = "eager"
+    dtype: str = "float32"
+    device: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+    torch_threads: int | None = None
+
+    def load(self) -> CaptureModel:
+        from interp_engine.loading import load_model
+
+        return load_model(self.name_or_path, self.backend, dtype=self.dtype, device=self.device, **dict(self.options))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaFacts:
+    """What the driver needs to know about the model a replica serves."""
+
+    info: Any  # ModelInfo
+    backend: str
+    batched: bool
+    unserved: frozenset
+    model_dtype: str
+    node: str
+    pid: int
+    tokenizer_files: dict[str, bytes]
+
+
+class ReplicaCore:
+    def __init__(self, spec: ReplicaSpec, index: int = 0, node: str = ""):
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.index = index
+        self.node = node
+        self.model = spec.load()
+
+    def facts(self) -> ReplicaFacts:
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.tok.hf.save_pretrained(tmp)
+            files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+        dtype = getattr(self.model, "dtype", None) or getattr(getattr(self.model, "hf", None), "dtype", None)
+        return ReplicaFacts(self.model.info, self.model.backend, self.model.batched, frozenset(self.model.unserved),
+                            str(dtype or self.spec.dtype).removeprefix("torch."), self.node, os.getpid(), files)
+
+    def weights_sha256(self) -> str:
+        from interp_engine.dataset_manifest import weights_fingerprint
+        from interp_engine.loading import resolve
+
+        return weights_fingerprint(resolve(self.spec.name_or_path))
+
+    def run(self, tokens: np.ndarray, points: list[str]) -> Captured:
+        """Capture a padded batch (split per prompt where the backend takes one at a time)."""
+        batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
+        cache = run_padded(self.model, batch, [parse_address(p) for p in points])
+        return Captured(pack_dict(cache.to_dict()), cache.tokens.numpy())
+
+    def generate(self, tokens: np.ndarray, points: list[str], options: dict) -> Generated:
+        batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
+        completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points], **options)
+        return Generated(completion.text, list(completion.token_ids), completion.finish_reason,
+                         pack_dict(cache.to_dict()), cache.tokens.numpy())
+
+    def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
+        return write_shard(self.model, spec, index, texts)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def replica_actor():
+    """The Ray actor class around :class:`ReplicaCore` (made on first use: importing this module
+    never touches Ray)."""
+    import ray
+
+    @ray.remote
+    class ReplicaActor(ReplicaCore):
+        def __init__(self, spec: ReplicaSpec, index: int):
+            super().__init__(spec, index, ray.get_runtime_context().get_node_id())
+
+    return ReplicaActor

@@ -1,0 +1,298 @@
+"""The cluster-backed model: the same calls as a local model, served by N replicas on Ray.
+
+``load_model(name, backend=..., replicas=N)`` lands here. It joins the Ray cluster the user
+connected to (``ray.init(address=...)`` or ``RAY_ADDRESS``) or starts a local one on
+127.0.0.1, checks that the cluster can hold N replicas *before* placing any (no silent hang),
+places them in one placement group spread over the nodes (each replica's GPUs —
+``tensor_parallel_size`` of them — on one node), and starts a coordinator actor that shards
+calls over them. :class:`ClusterModel` is a :class:`CaptureModel`: ``run_with_cache``,
+``capture_generation`` and ``await model.capture(...)`` return what the local model returns,
+and a batch given to a vLLM-backed cluster is split per prompt and joined back padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from .address import Address
+from .cache import Cache
+from .model import CaptureModel, Completion, Sampling
+from .tokens import InputError, Tokenizer
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot serve the request (too few resources, replicas that failed to start)."""
+
+
+def connect() -> None:
+    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+
+
+def check_capacity(nodes: list[dict], replicas: int, gpus: float, cpus: float) -> None:
+    """Raise a :class:`ClusterError` unless ``replicas`` replicas of ``gpus`` GPUs (on one node)
+    and ``cpus`` CPUs each fit on ``nodes`` (``ray.nodes()`` entries)."""
+    alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
+    have = [n.get("Resources", {}) for n in alive]
+    per_node_gpu = [r.get("GPU", 0) for r in have]
+    shown = ", ".join(f"node {i}: {r.get('GPU', 0):g} GPU / {r.get('CPU', 0):g} CPU" for i, r in enumerate(have)) or "none"
+    if gpus and max(per_node_gpu, default=0) < gpus:
+        raise ClusterError(
+            f"each replica needs {gpus:g} GPUs on one node (tensor_parallel_size), but no node has that many "
+            f"({shown}). Lower tensor_parallel_size / gpus_per_replica, or add a node with {gpus:g} GPUs."
+        )
+    fits = sum(int(g // gpus) for g in per_node_gpu) if gpus else replicas
+    if cpus:
+        fits = min(fits, sum(int(r.get("CPU", 0) // cpus) for r in have))
+    if fits < replicas:
+        raise ClusterError(
+            f"{replicas} replicas of {gpus:g} GPU and {cpus:g} CPU each do not fit this cluster ({shown}): "
+            f"at most {fits} fit. Use replicas={max(fits, 1)}, lower cpus_per_replica/gpus_per_replica, or add nodes."
+        )
+
+
+@dataclasses.dataclass
+class _Placement:
+    group: object | None
+    strategies: list
+
+
+def _place(replicas: int, gpus: float, cpus: float, timeout: float) -> _Placement:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v}
+    if not bundle:
+        return _Placement(None, ["SPREAD"] * replicas)
+    group = placement_group([dict(bundle) for _ in range(replicas)], strategy="SPREAD")
+    try:
+        ray.get(group.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ClusterError(
+            f"could not place {replicas} replicas of {bundle} within {timeout:g}s; the cluster has "
+            f"{ray.available_resources()} free. Free resources, lower replicas, or raise startup_timeout."
+        ) from None
+    return _Placement(group, [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+                              for i in range(replicas)])
+
+
+def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: int = 1, requires_grad: bool = False,
+                       dtype="float32", device: str | None = None, gpus_per_replica: float | None = None,
+                       cpus_per_replica: float = 1, torch_threads: int | None = None, startup_timeout: float = 60,
+                       max_in_flight_per_replica: int = 2, **backend_options) -> "ClusterModel":
+    """Start ``replicas`` replicas of the model on the connected (or a new local) Ray cluster."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise InputError(f"replicas must be a positive int (the number of model copies), got {replicas!r}; "
+                         f"use replicas=1 for one copy, or leave it out to load the model in this process")
+    if requires_grad:
+        raise InputError("requires_grad=True needs the model in this process: gradients do not cross Ray "
+                         "processes. Load it without replicas=: load_model(name, backend='eager', requires_grad=True)")
+    import ray
+
+    from .actors.coordinator import coordinator_actor
+    from .actors.replica import ReplicaSpec, replica_actor
+
+    connect()
+    tp = int(backend_options.get("tensor_parallel_size", 1))
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus_per_replica is None:
+        gpus_per_replica = tp if cluster_gpus and device in (None, "cuda") else 0
+    if device is None and gpus_per_replica:
+        device = "cuda" if backend == "eager" else None
+    check_capacity(ray.nodes(), replicas, gpus_per_replica, cpus_per_replica)
+    placement = _place(replicas, gpus_per_replica, cpus_per_replica, startup_timeout)
+    spec = ReplicaSpec(str(name_or_path), backend, str(dtype).removeprefix("torch."), device,
+                       tuple(sorted(backend_options.items())), torch_threads)
+    actor = replica_actor()
+    handles = [actor.options(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=0,
+                             scheduling_strategy=placement.strategies[i]).remote(spec, i) for i in range(replicas)]
+    try:
+        facts = []
+        for i, handle in enumerate(handles):
+            try:
+                facts.append(ray.get(handle.facts.remote()))
+            except ray.exceptions.RayError as err:
+                raise ClusterError(f"replica {i} failed to start {name_or_path!r} ({backend}): "
+                                   f"{_cause(err)}") from None
+    except BaseException:
+        _release(handles, None, placement)
+        raise
+    names = {i: f.node for i, f in enumerate(facts)}
+    coordinator = coordinator_actor().options(scheduling_strategy=_here()).remote(
+        handles, facts[0].batched, max_in_flight_per_replica, names)
+    return ClusterModel(facts, handles, coordinator, placement)
+
+
+def _here():
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+
+
+def _cause(err) -> str:
+    cause = getattr(err, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else err)
+    return text.strip().splitlines()[-1] if text.strip() else type(err).__name__
+
+
+def _release(handles, coordinator, placement) -> None:
+    import ray
+
+    for handle in [coordinator, *handles]:
+        if handle is not None:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
+    if placement is not None and placement.group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(placement.group)
+        except Exception:
+            pass
+
+
+def _tokenizer(files: dict[str, bytes]):
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+class ClusterModel(CaptureModel):
+    """A :class:`CaptureModel` served by replicas on a Ray cluster (see the module docstring)."""
+
+    batched = True
+
+    def __init__(self, facts, handles, coordinator, placement):
+        first = facts[0]
+        self.info = first.info
+        self.backend = first.backend
+        self.unserved = first.unserved
+        self.tok = Tokenizer(_tokenizer(first.tokenizer_files))
+        self.replica_facts = list(facts)
+        self._replicas = list(handles)
+        self._coordinator = coordinator
+        self._placement = placement
+        self._weights: str | None = None
+
+    def __repr__(self) -> str:
+        return f"ClusterModel({self.name!r}, backend={self.backend!r}, replicas={len(self._replicas)})"
+
+    @property
+    def replicas(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The Ray node id of each replica."""
+        return [f.node for f in self.replica_facts]
+
+    def facts(self) -> dict:
+        if self._weights is None:
+            self._weights = self._get(self._replicas[0].weights_sha256.remote())
+        return {"weights_sha256": self._weights, "model_dtype": self.replica_facts[0].model_dtype}
+
+    def _get(self, ref):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+
+    @staticmethod
+    def _points(addresses: list[Address]) -> list[str]:
+        return [str(a) for a in addresses]
+
+    def _run(self, tokens, addresses, *, detach):
+        from .actors.wire import unpack_dict
+
+        if not detach:
+            raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
+                             "locally: load_model(name, backend='eager', requires_grad=True)")
+        captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses)))
+        return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend)
+
+    def _generate(self, tokens, addresses, options: Sampling):
+        from .actors.wire import unpack_dict
+
+        generated = self._get(self._coordinator.generate.remote(tokens.numpy(), self._points(addresses),
+                                                                dataclasses.asdict(options)))
+        return self._completion(generated, unpack_dict)
+
+    def _completion(self, generated, unpack_dict):
+        import torch
+
+        completion = Completion(generated.text, list(generated.token_ids), generated.finish_reason)
+        fed = torch.from_numpy(generated.tokens.copy())
+        return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend)
+
+    async def _capture(self, tokens, addresses, options):
+        import ray
+
+        from .actors.wire import unpack_dict
+
+        points = self._points(addresses)
+        if options is None:
+            ref = self._coordinator.run.remote(tokens.numpy(), points)
+        else:
+            ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options))
+        try:
+            result = await ref
+        except ray.exceptions.RayTaskError as err:
+            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+        return unpack_dict(result.tensors)
+
+    def write_shards(self, spec, source, skip):
+        """Have the replicas write the dataset shards not in ``skip``; yield their stats as they land."""
+        import ray
+
+        self._get(self._coordinator.reset_progress.remote())
+        ref = self._coordinator.build.remote(spec, source, set(skip))
+        seen = 0
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.25)
+            new = self._get(self._coordinator.progress.remote(seen))
+            seen += len(new)
+            yield from new
+            if ready:
+                self._get(ref)
+                yield from self._get(self._coordinator.progress.remote(seen))
+                return
+
+    def kill_replica(self, index: int) -> None:
+        """Kill replica ``index`` (fault drills: the coordinator moves its work to the others)."""
+        import ray
+
+        ray.kill(self._replicas[index], no_restart=True)
+
+    def close(self) -> None:
+        if self._coordinator is not None:
+            _release(self._replicas, self._coordinator, self._placement)
+            self._coordinator = None
+
+
+def demo_summary(*args, **kwargs) -> dict:
+    """Start a local cluster, capture through 2 replicas of the embedded SmolLM2, build a small
+    activation dataset and print a summary (see :mod:`.cluster_demo`)."""
+    from .cluster_demo import demo_summary as run
+
+    return run(*args, **kwargs)

@@ -1,0 +1,185 @@
+"""The cluster's logic without Ray: scheduler, coordinator and replica as plain objects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from interp_engine import InputError, parse_address, run_with_cache
+from interp_engine.actors.coordinator import CoordinatorCore
+from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
+from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard
+from interp_engine.actors.wire import Packed, unpack_dict
+from interp_engine.cluster import ClusterError, check_capacity
+
+POINTS = ["resid_post.1", "z.0", "mlp_post.2", "logits"]
+
+
+class FakeExecutor:
+    """Futures resolve when waited on, one at a time; records how many were in flight."""
+
+    def __init__(self, fail=None):
+        self.in_flight = set()
+        self.max_in_flight = 0
+        self.calls = []
+        self.fail = fail or (lambda replica, args: None)
+
+    def submit(self, replica, method, *args):
+        future = object()
+        self.in_flight.add(future)
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        self.calls.append((replica, args))
+        self._meta = getattr(self, "_meta", {})
+        self._meta[future] = (replica, args)
+        return future
+
+    def wait(self, futures, timeout):
+        return [futures[-1]]  # the newest first: results arrive out of order
+
+    def result(self, future):
+        self.in_flight.discard(future)
+        replica, args = self._meta.pop(future)
+        error = self.fail(replica, args)
+        if error:
+            raise error
+        return ("done", args[0])
+
+
+def test_scheduler_bounds_work_in_flight_and_pulls_shards_lazily():
+    executor = FakeExecutor()
+    pulled = []
+
+    def shards():
+        for i in range(50):
+            pulled.append(i)
+            yield Shard(i, (i,))
+
+    results = Scheduler(executor, [0, 1, 2], per_replica=2).run("run", shards())
+    first = next(results)
+    assert len(pulled) <= 7  # 3 replicas x 2 in flight, plus the one being yielded
+    rest = list(results)
+    assert sorted(s.index for s, _ in [first, *rest]) == list(range(50))
+    assert executor.max_in_flight <= 6
+
+
+def test_scheduler_moves_a_dead_replicas_shards_and_reports_each_once():
+    executor = FakeExecutor(fail=lambda replica, args: ReplicaDied(replica) if replica == 1 else None)
+    scheduler = Scheduler(executor, [0, 1, 2], per_replica=2)
+    out = list(scheduler.run("run", (Shard(i, (i,)) for i in range(20))))
+    assert sorted(s.index for s, _ in out) == list(range(20))
+    assert all(result == ("done", shard.index) for shard, result in out)
+    assert scheduler.dead == [1] and scheduler.resubmitted >= 1
+
+
+def test_scheduler_all_replicas_dead_is_a_clear_error():
+    executor = FakeExecutor(fail=lambda replica, args: ReplicaDied(replica))
+    with pytest.raises(NoReplicasLeft, match="all replicas died"):
+        list(Scheduler(executor, [0, 1]).run("run", (Shard(i, (i,)) for i in range(4))))
+
+
+def test_scheduler_error_names_replica_and_shard():
+    executor = FakeExecutor(fail=lambda replica, args: InputError("bad prompt") if args[0] == 3 else None)
+    with pytest.raises(InputError, match=r"\[replica \d+ on node nodeabcd, shard 3\] bad prompt"):
+        list(Scheduler(executor, [0, 1], names={0: "nodeabcdef", 1: "nodeabcdef"}).run(
+            "run", (Shard(i, (i,)) for i in range(6))))
+
+
+def test_packed_keeps_bfloat16_bits():
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    assert torch.equal(Packed.of(t).tensor().view(torch.int16), t.view(torch.int16))
+    assert Packed.of(t).tensor().dtype == torch.bfloat16
+
+
+def test_check_capacity_refuses_what_cannot_fit():
+    nodes = [{"Alive": True, "Resources": {"CPU": 2, "GPU": 1}}, {"Alive": True, "Resources": {"CPU": 2, "GPU": 1}}]
+    check_capacity(nodes, 2, 1, 1)
+    with pytest.raises(ClusterError, match="needs 2 GPUs on one node"):
+        check_capacity(nodes, 1, 2, 1)
+    with pytest.raises(ClusterError, match="at most 2 fit"):
+        check_capacity(nodes, 3, 1, 0.5)
+    with pytest.raises(ClusterError, match="at most 4 fit"):
+        check_capacity(nodes, 5, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def cores(tiny_path):
+    spec = ReplicaSpec(str(tiny_path("llama")))
+    return [ReplicaCore(spec, i) for i in range(2)]
+
+
+def _cache_of(captured):
+    return unpack_dict(captured.tensors)
+
+
+def test_coordinator_batch_equals_local(cores, eager_models):
+    local = eager_models("llama")
+    tokens = local.tok.to_tokens(["The cat sat", "on", "a mat, said the dog", "x"])
+    expected = run_with_cache(local, tokens, POINTS)
+    core = CoordinatorCore(LocalExecutor(cores), 2, batched=True)
+    got = core.run(tokens.numpy(), POINTS)
+    assert np.array_equal(got.tokens, tokens.numpy())
+    tensors = _cache_of(got)
+    assert list(tensors) == list(expected)
+    for address, tensor in expected.items():
+        assert torch.equal(tensors[address], tensor), address
+
+
+def test_coordinator_one_prompt_backend_splits_and_pads(cores, eager_models):
+    """With ``batched=False`` each row goes alone, at its true length, and comes back padded."""
+    local = eager_models("llama")
+    tokens = local.tok.to_tokens(["a b c d e f", "g", "hij"])
+    expected = run_with_cache(local, tokens, ["resid_post.0", "pattern.1"])
+    core = CoordinatorCore(LocalExecutor(cores), 2, batched=False)
+    tensors = _cache_of(core.run(tokens.numpy(), ["resid_post.0", "pattern.1"]))
+    for name in ("resid_post.0", "pattern.1"):
+        torch.testing.assert_close(tensors[parse_address(name)], expected[name], rtol=1e-5, atol=1e-5)
+
+
+def test_coordinator_generate_survives_a_dead_replica(cores, eager_models):
+    local = eager_models("llama")
+    tokens = local.to_tokens("Once upon")
+    completion, cache = local.capture_generation(tokens, ["resid_post.2"], max_tokens=4)
+    executor = LocalExecutor(cores)
+    executor.kill(0)
+    got = CoordinatorCore(executor, 2, batched=True).generate(tokens.numpy(), ["resid_post.2"], {"max_tokens": 4})
+    assert got.token_ids == completion.token_ids and got.text == completion.text
+    assert torch.equal(_cache_of(got)[parse_address("resid_post.2")], cache["resid_post.2"])
+
+
+def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_models, tmp_path):
+    from interp_engine.dataset import build_dataset
+
+    local = eager_models("llama")
+    prompts = [f"prompt {i}: " + "word " * (i % 7) for i in range(23)]
+    clean = build_dataset(local, prompts, ["resid_post.1"], tmp_path / "clean", shard_size=4, progress=False)
+
+    class Flaky(LocalExecutor):
+        def submit(self, replica, method, *args):
+            if method == "write_shard" and args[1] == 2:
+                self.kill(1)  # replica 1 dies as shard 2 is handed out
+            return super().submit(replica, method, *args)
+
+    class FakeCluster:
+        """The local model's facts with a coordinator over in-process replicas."""
+
+        def __init__(self):
+            self.info, self.backend, self.unserved, self.tok, self.name = (
+                local.info, local.backend, local.unserved, local.tok, local.name)
+            self.core = CoordinatorCore(Flaky(cores), 2, batched=True)
+
+        def facts(self):
+            from interp_engine.dataset import _model_facts
+
+            return _model_facts(local)
+
+        def write_shards(self, spec, source, skip):
+            self.core.build(spec, source, skip)
+            yield from self.core.progress()
+
+    faulty = build_dataset(FakeCluster(), prompts, ["resid_post.1"], tmp_path / "faulty", shard_size=4,
+                           progress=False)
+    assert faulty.rows == clean.rows == 23
+    a, b = clean.to_arrow(), faulty.to_arrow()
+    assert a.equals(b)
+    assert sorted(b.column("prompt_index").to_pylist()) == list(range(23))

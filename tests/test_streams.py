@@ -14,8 +14,15 @@ from interp_engine import AddressError, load_model, run_with_cache
 from . import tiny_moe
 
 PROMPTS = ["Streams of thought", "Hi"]
-#: where each family keeps the stream axis in its layer output
-STREAM_AXIS = {"deepseek_v4": 2, "hy_v4": 2, "gemma3n": 0}
+#: how to take stream S out of each family's layer output, written independently of the engine
+STREAM_OF = {
+    "deepseek_v4": lambda out, s, n: out[:, :, s],
+    "hy_v4": lambda out, s, n: out[:, :, s],
+    "qwen4_exp": lambda out, s, n: out[..., s * out.shape[-1] // n:(s + 1) * out.shape[-1] // n],
+    "gemma3n": lambda out, s, n: out[s],
+}
+#: the module that collapses the streams after the last layer (its input is the last layer's output)
+FINAL_COLLAPSE = {"deepseek_v4": "model.hc_head", "hy_v4": "model.hc_head", "qwen4_exp": "model.hyper_connection_mixer"}
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +50,20 @@ def test_resid_streams_are_the_models_stream_tensor(stream_model, family):
     model = stream_model(family)
     info = model.info
     config = model.hf.config
-    assert info.n_streams == (config.altup_num_inputs if family == "gemma3n" else config.hc_mult)
+    key = {"gemma3n": "altup_num_inputs", "qwen4_exp": "hc_count"}.get(family, "hc_mult")
+    assert info.n_streams == getattr(config, key) > 1
     tokens = model.to_tokens(PROMPTS)
     # the last layer's output is replaced by the final collapse in hidden_states; compare the others
     layers = range(info.n_layers - 1)
     points = [f"resid_streams.{L}.{S}" for L in layers for S in range(info.n_streams)]
     cache = run_with_cache(model, tokens, points)
     hidden = _layer_outputs(model, tokens)
-    axis = STREAM_AXIS[family]
     for L in layers:
         own = hidden[L + 1]
-        assert own.shape[axis] == info.n_streams
         for S in range(info.n_streams):
             got = cache.get("resid_streams", L, S)
             assert got.shape == (*tokens.shape, info.d_model)
-            want = own.select(axis, S)
+            want = STREAM_OF[family](own, S, info.n_streams)
             torch.testing.assert_close(got[cache.mask], want[cache.mask], rtol=1e-5, atol=1e-5)
     # the streams really differ (the test would not notice a stream mix-up otherwise)
     last = info.n_layers - 2
@@ -72,7 +78,7 @@ def test_last_layer_streams_feed_the_final_collapse(stream_model, family):
     info = model.info
     tokens = model.to_tokens("Hi")
     L = info.n_layers - 1
-    head = {"deepseek_v4": "model.hc_head", "hy_v4": "model.hc_head"}.get(family)
+    head = FINAL_COLLAPSE.get(family)
     if head is None:  # Gemma 3n: the layer output itself, from a hook on the last layer
         seen = []
         handle = model.hf.model.layers[L].register_forward_hook(lambda m, a, out: seen.append(out.clone()))
@@ -86,7 +92,7 @@ def test_last_layer_streams_feed_the_final_collapse(stream_model, family):
         handle.remove()
     own = seen[-1]
     for S in range(info.n_streams):
-        torch.testing.assert_close(cache.get("resid_streams", L, S), own.select(STREAM_AXIS[family], S))
+        torch.testing.assert_close(cache.get("resid_streams", L, S), STREAM_OF[family](own, S, info.n_streams))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

@@ -54,6 +54,14 @@ def configs() -> dict:
             n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
             qk_rope_head_dim=32, v_head_dim=64, index_topk=8, index_head_dim=32, index_n_heads=2, hc_mult=3,
         ),
+        # One linear-attention (GatedDeltaNet) and one indexed-attention layer, no n-gram PLE.
+        "qwen4_exp": t.Qwen4ExpTextConfig(
+            **{**_BASE, "num_hidden_layers": 2}, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            num_experts=8, num_experts_per_tok=2, hc_count=3, hc_lowrank=16,
+            layer_types=["linear_attention", "indexed_attention"], linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, indexer_n_heads=2, indexer_kv_heads=1,
+            indexer_head_dim=64, indexer_budget=8, indexer_compress_ratio=4,
+        ),
         "gemma3n": t.Gemma3nTextConfig(
             **{**_BASE, "tie_word_embeddings": True, "num_hidden_layers": 4}, intermediate_size=256,
             vocab_size_per_layer_input=tiny.VOCAB, hidden_size_per_layer_input=32, altup_num_inputs=3,
@@ -64,8 +72,8 @@ def configs() -> dict:
     }
 
 
-MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v4", "hy_v4")
-STREAM_FAMILIES = ("deepseek_v4", "hy_v4", "gemma3n")
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v4", "hy_v4", "qwen4_exp")
+STREAM_FAMILIES = ("deepseek_v4", "hy_v4", "qwen4_exp", "gemma3n")
 
 
 def build(family: str, root: Path, seed: int = 0) -> Path:

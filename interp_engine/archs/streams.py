@@ -1,7 +1,7 @@
 """Site tables of the families whose residual is several streams.
 
-Hyper-connection models (DeepSeek-V4, HY-v4) carry ``hc_mult`` residual streams through every
-layer as one ``[batch, pos, stream, d_model]`` tensor; each block reads a learned mix of the
+Hyper-connection models (DeepSeek-V4, HY-v4, Qwen4-Exp) carry ``hc_mult`` residual streams through every
+layer as one ``[batch, pos, stream, d_model]`` tensor (Qwen4-Exp: ``[batch, pos, stream * d_model]``); each block reads a learned mix of the
 streams and writes its output back into every stream with per-token weights. Gemma 3n's AltUp
 carries ``altup_num_inputs`` predictions as ``[stream, batch, pos, d_model]``; the blocks run on
 the active one (stream 0) and AltUp corrects the others from it.
@@ -26,6 +26,15 @@ _HYPER_CONNECTION_SITES = {
     **ROUTER_SITES,
 }
 
+#: Qwen4-Exp keeps its streams side by side in the feature axis, ``[b, p, stream * d_model]``, and
+#: mixes linear-attention (``linear_attn``) and attention (``self_attn``) layers, so it has no
+#: one module for ``attn_out``.
+_QWEN4_EXP_SITES = {
+    "mlp_out": Hook("mlp", "out"),
+    "resid_streams": Hook("", "out", layout="b p (s d)"),
+    **ROUTER_SITES,
+}
+
 #: Gemma 3n normalises each block's output (like Gemma 2) before AltUp mixes it in.
 _GEMMA3N_SITES = {
     "attn_out": Hook("post_attention_layernorm", "out"),
@@ -39,5 +48,6 @@ _GEMMA3N_SITES = {
 ARCHS = [
     Arch("deepseek_v4", ("deepseek_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("hy_v4", ("hy_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
+    Arch("qwen4_exp", ("qwen4_exp_text",), _QWEN4_EXP_SITES, streams_config="hc_count"),
     Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs"),
 ]

@@ -65,6 +65,25 @@ class VllmModel(CaptureModel):
         self._weights: dict[int, torch.Tensor] = {}
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
+        try:
+            self._check_geometry()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_geometry(self) -> None:
+        """vLLM must run the model the config describes (some of its model classes ignore
+        ``head_dim``); otherwise its activations are not this model's."""
+        ranks = run_on_loop(self._loop, "interp_geometry")
+        heads = sum(r["heads"] for r in ranks)
+        head_size = ranks[0]["head_size"]
+        if heads != self.info.n_heads or head_size != self.info.d_head:
+            raise ValueError(
+                f"vLLM runs {self.name} with {heads} heads of size {head_size}, but its config says "
+                f"{self.info.n_heads} heads of size {self.info.d_head} (vLLM's {self.arch.family} class derives "
+                f"head_dim from hidden_size / num_attention_heads). Its activations would not be this model's: "
+                f"use backend='eager' for this checkpoint."
+            )
 
     # -- facts ----------------------------------------------------------------------------------
     def o_proj_weight(self, layer: int) -> torch.Tensor:

@@ -46,6 +46,11 @@ class CaptureExtension:
         """Hooks installed right now (an idle engine has none)."""
         return len(self._interp_recorder()._handles)
 
+    def interp_geometry(self) -> dict:
+        """Heads and head size as this rank's attention kernels run them."""
+        attn = self._interp_recorder().layers[0].get_submodule("self_attn.attn")
+        return {"heads": int(attn.num_heads), "kv_heads": int(attn.num_kv_heads), "head_size": int(attn.head_size)}
+
     def interp_o_proj_weight(self, layer: int, path: str) -> torch.Tensor:
         """This rank's block of layer ``layer``'s attention output projection weight
         ``[d_model, heads_on_this_rank * d_head]`` (``path`` is relative to the layer).

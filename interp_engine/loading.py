@@ -35,15 +35,24 @@ def resolve(name_or_path: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(name_or_path), local_files_only=True))
+        return Path(snapshot_download(str(name_or_path), local_files_only=True, cache_dir=_hub_cache()))
     except Exception as err:  # huggingface_hub raises several types for "not cached"
         raise ModelNotFound(
             f"{name_or_path!r} is not a local folder and not in the local Hugging Face cache "
-            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}), and this engine never downloads. "
+            f"({_hub_cache() or '~/.cache/huggingface/hub'}), and this engine never downloads. "
             f"Pass a folder that holds the model, download it beforehand "
             f"(huggingface-cli download {name_or_path}), or use the embedded default "
             f"load_model({embedded.NAME!r}). ({type(err).__name__})"
         ) from None
+
+
+def _hub_cache() -> str | None:
+    """The HF hub cache as the environment says now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
 
 
 def _dtype(dtype) -> torch.dtype:

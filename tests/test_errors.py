@@ -98,3 +98,17 @@ def test_folder_without_config(tmp_path):
 def test_unknown_backend():
     with pytest.raises(ValueError, match="eager, vllm"):
         load_model("x", backend="tpu")
+
+
+def test_hub_id_resolved_from_local_cache(tmp_path, monkeypatch, tiny_path):
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_path("llama"), snapshot)
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model("tiny-org/tiny-llama")
+    assert model.name == "tiny-org/tiny-llama" and model.n_layers == 3

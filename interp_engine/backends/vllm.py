@@ -92,6 +92,11 @@ class VllmModel(CaptureModel):
             self._weights[layer] = torch.cat(blocks, dim=1)
         return self._weights[layer]
 
+    def engine_state(self) -> list[dict]:
+        """Per rank: ``pending`` requests, ``hooks`` installed now, ``max_batch`` (most captures
+        seen in one forward). An idle engine holds no requests and no hooks."""
+        return run_on_loop(self._loop, "interp_state")
+
     def check(self, tokens, points, *, single=None):
         tokens, addresses = super().check(tokens, points, single=single)
         if tokens.shape[1] > self.max_model_len:

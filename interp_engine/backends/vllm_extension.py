@@ -38,13 +38,12 @@ class CaptureExtension:
     def interp_release(self, request_ids: list[str]) -> None:
         self._interp_recorder().release(request_ids)
 
-    def interp_pending(self) -> list[str]:
-        """Requests registered on this worker and not taken yet (tests check it ends empty)."""
-        return sorted(self._interp_recorder().wanted)
-
-    def interp_hook_count(self) -> int:
-        """Hooks installed right now (an idle engine has none)."""
-        return len(self._interp_recorder()._handles)
+    def interp_state(self) -> dict:
+        """What this worker holds: registered requests not taken yet, hooks installed now (an
+        idle engine has none), and the most registered requests seen in one forward."""
+        recorder = self._interp_recorder()
+        return {"pending": sorted(recorder.wanted), "hooks": len(recorder._handles),
+                "max_batch": recorder.max_batch}
 
     def interp_geometry(self) -> dict:
         """Heads and head size as this rank's attention kernels run them."""

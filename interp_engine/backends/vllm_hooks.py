@@ -51,6 +51,7 @@ class Recorder:
         self.store: dict[str, dict[Address, list]] = {}
         # this forward's registered requests: (request, first row, end row, positions)
         self.batch: list[tuple[str, int, int, torch.Tensor]] = []
+        self.max_batch = 0
         self._groups: dict[_Group, list[Address]] = {}
         self._handles: dict[object, object] = {}
         self._signatures: dict[int, inspect.Signature] = {}
@@ -131,6 +132,7 @@ class Recorder:
             if rid in self.wanted:
                 s, e = int(starts[j]), int(starts[j + 1])
                 self.batch.append((rid, s, e, positions[s:e].clone()))
+        self.max_batch = max(self.max_batch, len(self.batch))
 
     def _input_hook(self, group: _Group):
         def hook(module, args, kwargs):

@@ -1,0 +1,192 @@
+"""Cluster-backed models on a simulated 3-node Ray cluster (head + 2 workers with one fake GPU
+each): same tensors as the local model, replicas on different nodes, faults, bad inputs, and
+datasets that read back everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from interp_engine import AddressError, InputError, capture_generation, load_model, run_with_cache
+from interp_engine.cluster import ClusterError
+from interp_engine.dataset import build_dataset
+from interp_engine.dataset_manifest import DatasetExistsError
+from interp_engine.dataset_prompts import PromptsError
+
+ray = pytest.importorskip("ray")
+POINTS = ["resid_post.1", "z.0", "attn_out.2", "logits"]
+#: replicas ask for one (fake) GPU each, so they must land on the two worker nodes
+REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(2):
+        c.add_node(num_cpus=1, num_gpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster_llama(cluster, tiny_path):
+    model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
+    yield model
+    model.close()
+
+
+def test_replicas_land_on_different_nodes(cluster_llama):
+    head = ray.get_runtime_context().get_node_id()
+    assert len(set(cluster_llama.nodes)) == 2 and head not in cluster_llama.nodes
+
+
+def test_padded_batch_equals_local(cluster_llama, eager_models):
+    local = eager_models("llama")
+    tokens = local.tok.to_tokens(["The quick brown fox", "jumps", "over the lazy dog again", "!"])
+    expected = run_with_cache(local, tokens, POINTS)
+    got = run_with_cache(cluster_llama, tokens, POINTS)
+    assert list(got) == list(expected)
+    assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.mask, expected.mask)
+    for address, tensor in expected.items():
+        assert torch.equal(got[address], tensor), address
+    assert got.model_name == expected.model_name and got.backend == expected.backend == "eager"
+
+
+def test_capture_generation_equals_local(cluster_llama, eager_models):
+    local = eager_models("llama")
+    tokens = local.to_tokens("Hello there")
+    c1, cache1 = capture_generation(local, tokens, ["resid_post.2", "logits"], max_tokens=5)
+    c2, cache2 = capture_generation(cluster_llama, tokens, ["resid_post.2", "logits"], max_tokens=5)
+    assert c1 == c2
+    assert torch.equal(cache1.tokens, cache2.tokens)
+    for address in cache1:
+        assert torch.equal(cache1[address], cache2[address])
+
+
+def test_async_capture_equals_local(cluster_llama, eager_models):
+    local = eager_models("llama")
+    prompts = [local.to_tokens(t) for t in ("one", "two words", "three words here", "four")]
+
+    async def gather(model):
+        return await asyncio.gather(*(model.capture(p, ["resid_post.0", "mlp_out.1"]) for p in prompts))
+
+    for want, got in zip(asyncio.run(gather(local)), asyncio.run(gather(cluster_llama))):
+        assert type(got) is dict and list(got) == list(want)
+        assert all(torch.equal(got[a], want[a]) for a in want)
+        with pytest.raises(KeyError):
+            got["resid_post.0"]
+
+
+def test_bad_inputs_fail_before_any_work(cluster, cluster_llama, tiny_path, tmp_path):
+    with pytest.raises(InputError, match="replicas must be a positive int"):
+        load_model(str(tiny_path("llama")), replicas=0)
+    with pytest.raises(ClusterError, match="needs 2 GPUs on one node"):
+        load_model(str(tiny_path("llama")), replicas=1, gpus_per_replica=2, device="cpu")
+    with pytest.raises(ClusterError, match="at most 2 fit"):
+        load_model(str(tiny_path("llama")), replicas=3, **REPLICA)
+    with pytest.raises(AddressError, match="unknown site"):
+        run_with_cache(cluster_llama, cluster_llama.to_tokens("hi"), ["resid_psot.1"])
+    with pytest.raises(AddressError, match="layer 9 is out of range"):
+        build_dataset(cluster_llama, ["hi"], ["resid_post.9"], tmp_path / "a", progress=False)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(PromptsError, match="holds no prompts"):
+        build_dataset(cluster_llama, empty, ["resid_post.1"], tmp_path / "b", progress=False)
+    with pytest.raises(PromptsError, match="does not exist"):
+        build_dataset(cluster_llama, tmp_path / "missing.jsonl", ["resid_post.1"], tmp_path / "c", progress=False)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def _prompts(n):
+    return [f"Sample {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4]) * (1 + i % 3)
+            for i in range(n)]
+
+
+def test_cluster_dataset_equals_local_dataset(cluster_llama, eager_models, tmp_path):
+    local = eager_models("llama")
+    prompts = _prompts(30)
+    for layout in ("sequence", "token"):
+        a = build_dataset(local, prompts, ["resid_post.1", "z.0"], tmp_path / f"local-{layout}", layout=layout,
+                          shard_size=4, progress=False)
+        b = build_dataset(cluster_llama, prompts, ["resid_post.1", "z.0"], tmp_path / f"cluster-{layout}",
+                          layout=layout, shard_size=4, progress=False)
+        assert a.rows == b.rows == (30 if layout == "sequence" else a.tokens)
+        assert a.to_arrow().equals(b.to_arrow())
+        assert [f.name for f in a.files] == [f.name for f in b.files]
+
+
+def test_killing_a_replica_mid_build_changes_nothing(cluster, tiny_path, eager_models, tmp_path):
+    local = eager_models("llama")
+    prompts = _prompts(48)
+    clean = build_dataset(local, prompts, ["resid_post.2"], tmp_path / "clean", shard_size=2, progress=False)
+    # CPU-only replicas: the fake GPUs are held by the module's model
+    model = load_model(str(tiny_path("llama")), replicas=2, gpus_per_replica=0, cpus_per_replica=0.25,
+                       torch_threads=1)
+    out = tmp_path / "faulty"
+
+    def killer():
+        while len(list(out.glob("part-*.parquet"))) < 3:
+            time.sleep(0.01)
+        model.kill_replica(1)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        faulty = build_dataset(model, prompts, ["resid_post.2"], out, shard_size=2, progress=False)
+    finally:
+        thread.join(timeout=30)
+    assert ray.get(model._coordinator.resubmitted.remote()) >= 1  # the kill hit work in flight
+    assert faulty.rows == 48
+    table = faulty.to_arrow()
+    assert sorted(table.column("prompt_index").to_pylist()) == list(range(48))  # no duplicates, none lost
+    assert table.equals(clean.to_arrow())
+    # the surviving replica keeps serving
+    tokens = local.to_tokens("still alive")
+    assert torch.equal(run_with_cache(model, tokens, ["resid_post.0"])["resid_post.0"],
+                       run_with_cache(local, tokens, ["resid_post.0"])["resid_post.0"])
+    model.close()
+
+
+def test_dataset_reads_back_with_pyarrow_pandas_and_ray_data(cluster_llama, tmp_path):
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from interp_engine.dataset_shard import column_shape, read_tensor
+
+    prompts = _prompts(10)
+    ds = build_dataset(cluster_llama, prompts, ["resid_post.1", "z.0"], tmp_path / "d", shard_size=3,
+                       progress=False, dtype="bfloat16")
+    n, width = 10, ds.manifest["identity"]["max_length"]
+    table = pq.read_table(tmp_path / "d")
+    assert table.num_rows == n and column_shape(table.schema, "z.0") == (width, 4, 64)
+    z = read_tensor(table, "z.0")
+    assert z.dtype == torch.bfloat16 and z.shape == (n, width, 4, 64)
+    frame = pd.read_parquet(tmp_path / "d")
+    flat = frame["resid_post.1"].iloc[0]
+    assert flat.size == width * 128
+    rows = ds.to_ray().take_all()
+    assert len(rows) == n and rows[0]["z.0"].shape == (width, 4, 64)
+    # bf16 is stored bit for bit: the same capture rounded once
+    cache = run_with_cache(cluster_llama, cluster_llama.to_tokens(prompts[0]), ["z.0"])
+    length = cache.tokens.shape[1]
+    ordered = torch.argsort(torch.tensor(table.column("prompt_index").to_pylist()))
+    assert torch.equal(z[ordered][0, :length].view(torch.int16),
+                       cache["z.0"][0].to(torch.bfloat16).view(torch.int16))
+
+
+def test_output_with_a_different_dataset_is_refused(cluster_llama, tmp_path):
+    build_dataset(cluster_llama, _prompts(4), ["resid_post.1"], tmp_path / "o", progress=False)
+    with pytest.raises(DatasetExistsError, match="holds a different dataset.*overwrite=True"):
+        build_dataset(cluster_llama, _prompts(5), ["resid_post.1"], tmp_path / "o", progress=False)
+    again = build_dataset(cluster_llama, _prompts(5), ["resid_post.1"], tmp_path / "o", progress=False,
+                          overwrite=True)
+    assert again.rows == 5

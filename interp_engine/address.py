@@ -31,7 +31,16 @@ class Site:
     single_stream: bool = False
     #: only defined on layers with a dense MLP (not on MoE layers)
     dense_mlp: bool = False
+    #: what to do instead where a backend cannot serve the site ({L}: the layer)
+    fallback: str = ""
 
+
+_SELECTION = (
+    "this engine forms the expert selection inside a fused kernel and exposes no call that carries it, "
+    "so it cannot be read exactly here. Capture 'router_logits.{L}' and derive the assignment with "
+    "expert_assignment(cache, {L}, n_experts, top_k=..., renormalize=...) (a re-derivation; see docs/MOE.md), "
+    "or load the model with backend='eager' to capture the selection itself"
+)
 
 SITES: dict[str, Site] = {
     s.name: s
@@ -49,8 +58,8 @@ SITES: dict[str, Site] = {
         Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", eager_only=True),
         Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),
         Site("router_logits", "[b, p, n_experts]", "MoE gate output", moe=True),
-        Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True),
-        Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True),
+        Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True, fallback=_SELECTION),
+        Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True, fallback=_SELECTION),
         Site("resid_streams", "[b, p, d_model]", "stream S of the residual after the layer", per_stream=True),
         Site("logits", "[b, p, vocab]", "final logits", per_layer=False),
     ]
@@ -201,6 +210,11 @@ def check_address(address: Address, info: ModelInfo, backend: str, unserved: Ite
         raise AddressError(
             f"{format_address(address)!r} is eager-only: the {backend} backend never forms it. "
             f"Load the model with backend='eager' to capture it."
+        )
+    if address.name in unserved and site.fallback:
+        raise AddressError(
+            f"{format_address(address)!r} is not served on the {backend} backend for {info.name}: "
+            + site.fallback.format(L=address.layer)
         )
     if address.name in unserved:
         raise AddressError(

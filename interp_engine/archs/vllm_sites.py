@@ -37,7 +37,7 @@ class VllmRead:
     """
 
     module: str
-    phase: str  # "in" | "out"
+    phase: str  # "in" | "out" | "call" (the result of the method that ``module`` names)
     parts: tuple
     shard: str = ""
 
@@ -62,10 +62,28 @@ _GEMMA2 = {
     "resid_mid": VllmRead("pre_feedforward_layernorm", "out", (1,)),
 }
 
+
+
+def _moe(block: str) -> dict[str, VllmRead]:
+    """MoE families with Llama's layout and their MoE block at ``block``: the gate (replicated
+    on every rank) returns ``(router_logits, bias)`` over the flat tokens; the router's
+    ``select_experts`` returns ``(topk_weights, topk_ids)``, the pair the expert kernel is given
+    (a ``"call"`` read, see :mod:`interp_engine.backends.vllm_moe` and docs/MOE.md)."""
+    select = f"{block}.experts.router.select_experts"
+    return {
+        **_LLAMA,
+        "router_logits": VllmRead(f"{block}.gate", "out", (0,)),
+        "expert_weights": VllmRead(select, "call", (0,)),
+        "expert_indices": VllmRead(select, "call", (1,)),
+    }
+
 #: family (as in :mod:`interp_engine.archs`) -> site name -> where vLLM computes it
 VLLM_SITES: dict[str, dict[str, VllmRead]] = {
     "llama": _LLAMA,
     "gemma2": _GEMMA2,
+    "qwen3_moe": _moe("mlp"),
+    "olmoe": _moe("mlp"),
+    "mixtral": _moe("block_sparse_moe"),
 }
 
 #: the model-level site, computed from the final (normed) hidden states by the model's own

@@ -10,7 +10,9 @@ tensors with the same shapes as the eager backend's.
 
 Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``v`` (as the
 attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
-``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``). ``pattern`` is never formed
+``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``); on MoE families
+``router_logits`` and, where the router's selection is read from the call that hands it to the
+expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.vllm_moe`, docs/MOE.md). ``pattern`` is never formed
 by vLLM's fused attention, and vLLM builds no autograd graph: both are clear errors.
 """
 
@@ -65,6 +67,8 @@ class VllmModel(CaptureModel):
         self._weights: dict[int, torch.Tensor] = {}
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
+        if any(read.phase == "call" for read in self.sites.values()):
+            self.unserved |= frozenset(run_on_loop(self._loop, "interp_unreadable_sites")[0])
         try:
             self._check_geometry()
         except BaseException:

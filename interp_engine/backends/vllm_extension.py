@@ -45,6 +45,13 @@ class CaptureExtension:
         return {"pending": sorted(recorder.wanted), "hooks": len(recorder._handles),
                 "max_batch": recorder.max_batch}
 
+    def interp_unreadable_sites(self) -> list[str]:
+        """Sites of the table this engine never computes in a readable form (see vllm_moe)."""
+        from .vllm_moe import unreadable_sites
+
+        recorder = self._interp_recorder()
+        return unreadable_sites(list(recorder.layers), recorder.table)
+
     def interp_geometry(self) -> dict:
         """Heads and head size as this rank's attention kernels run them."""
         attn = self._interp_recorder().layers[0].get_submodule("self_attn.attn")

@@ -31,6 +31,7 @@ import torch
 from ..address import Address, parse_address
 from ..archs import arch_for
 from ..archs.vllm_sites import LOGITS, VllmRead, vllm_sites
+from . import vllm_moe
 
 #: (layer, module path, phase) -> the addresses read there
 _Group = tuple[int, str, str]
@@ -116,6 +117,8 @@ class Recorder:
         if key == LOGITS:
             return self.model.register_forward_hook(self._on_final_hidden)
         layer, path, phase = key
+        if phase == "call":
+            return vllm_moe.wrap_call(self.layers[layer], path, self._output_hook(key))
         module = self.layers[layer].get_submodule(path) if path else self.layers[layer]
         if phase == "in":
             return module.register_forward_pre_hook(self._input_hook(key), with_kwargs=True)

@@ -92,8 +92,15 @@ def _place(replicas: int, gpus: float, cpus: float, timeout: float) -> _Placemen
 def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: int = 1, requires_grad: bool = False,
                        dtype="float32", device: str | None = None, gpus_per_replica: float | None = None,
                        cpus_per_replica: float = 1, torch_threads: int | None = None, startup_timeout: float = 60,
-                       max_in_flight_per_replica: int = 2, **backend_options) -> "ClusterModel":
-    """Start ``replicas`` replicas of the model on the connected (or a new local) Ray cluster."""
+                       max_in_flight_per_replica: int = 2, env_vars: dict[str, str] | None = None,
+                       **backend_options) -> "ClusterModel":
+    """Start ``replicas`` replicas of the model on the connected (or a new local) Ray cluster.
+
+    Placement: ``gpus_per_replica`` (default ``tensor_parallel_size`` on a cluster with GPUs, else
+    0) and ``cpus_per_replica`` reserve each replica's share; ``torch_threads`` pins its torch
+    threads; ``env_vars`` are set in the replicas' processes (e.g. ``VLLM_CPU_KVCACHE_SPACE``).
+    Other keyword arguments go to the backend, as in a local ``load_model``.
+    """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise InputError(f"replicas must be a positive int (the number of model copies), got {replicas!r}; "
                          f"use replicas=1 for one copy, or leave it out to load the model in this process")
@@ -117,8 +124,10 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
     spec = ReplicaSpec(str(name_or_path), backend, str(dtype).removeprefix("torch."), device,
                        tuple(sorted(backend_options.items())), torch_threads)
     actor = replica_actor()
+    extra = {"runtime_env": {"env_vars": {k: str(v) for k, v in env_vars.items()}}} if env_vars else {}
     handles = [actor.options(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=0,
-                             scheduling_strategy=placement.strategies[i]).remote(spec, i) for i in range(replicas)]
+                             scheduling_strategy=placement.strategies[i], **extra).remote(spec, i)
+               for i in range(replicas)]
     try:
         facts = []
         for i, handle in enumerate(handles):

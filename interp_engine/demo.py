@@ -84,7 +84,10 @@ def several_points(model, checks: Checks) -> None:
     # The identities of the address contract, at one layer, from one capture.
     names = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post"]
     full = run_with_cache(model, tokens, [f"{n}.10" for n in names])
-    get = lambda name: full.get(name, 10)  # noqa: E731
+
+    def get(name):
+        return full.get(name, 10)
+
     checks.close("resid_mid.10 == resid_pre.10 + attn_out.10", get("resid_mid"), get("resid_pre") + get("attn_out"))
     checks.close("resid_post.10 == resid_mid.10 + mlp_out.10", get("resid_post"), get("resid_mid") + get("mlp_out"))
     checks.close("same capture, same values (resid_post.10)", get("resid_post"), cache.get("resid_post", 10), 0.0)
@@ -224,7 +227,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("INTERP_ENGINE_DEMO_OUT", "out"),
                         help="folder for the logit-lens PNG and JSON (default ./out)")
     parser.add_argument("--model", default=embedded.NAME,
-                        help=f"model name or local folder (default: the embedded {embedded.NAME})")
+                        help=f"model name or local folder with at least 11 layers (the examples read layer 10, as the "
+                             f"seed does; default: the embedded {embedded.NAME})")
     return parser.parse_args(argv)
 
 

@@ -29,7 +29,7 @@ class LensTop(NamedTuple):
     layers: list[int]
 
 
-def _lens_layers(model, cache: Cache, layers) -> list[int]:
+def _lens_layers(cache: Cache, layers) -> list[int]:
     held = sorted(a.layer for a in cache if a.name == "resid_post")
     if layers is None:
         if not held:
@@ -65,7 +65,7 @@ def logit_lens(model, cache: Cache, layers=None) -> torch.Tensor:
     """
     _check_model(model)
     rows = []
-    for layer in _lens_layers(model, cache, layers):
+    for layer in _lens_layers(cache, layers):
         resid = cache[Address("resid_post", layer)]
         logits = model.unembed(model.final_norm(resid))
         real = cache.mask[..., None].to(logits.device)
@@ -80,7 +80,7 @@ def lens_top(model, cache: Cache, layers=None) -> LensTop:
     Layer by layer, so memory stays at one ``[batch, pos, vocab]`` block, however many layers.
     """
     _check_model(model)
-    layers = _lens_layers(model, cache, layers)
+    layers = _lens_layers(cache, layers)
     ids, probs = [], []
     for layer in layers:
         logits = logit_lens(model, cache, [layer])[0].float()

@@ -66,7 +66,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     # The lens table: one row per layer; the last layer's last position is the model's answer.
     record = json.loads((out / "logit_lens.json").read_text())
     assert record["layers"] == list(range(30))
-    assert len(record["top_tokens"]) == 30 and all(len(row) == len(record["input_tokens"]) for row in record["top_tokens"])
+    assert len(record["top_tokens"]) == 30
+    assert all(len(row) == len(record["input_tokens"]) for row in record["top_tokens"])
     oracle = hf_next_token(demo.PROMPT)
     assert oracle == " Paris"
     assert record["answer"] == oracle == record["top_tokens"][-1][-1]

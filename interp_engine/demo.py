@@ -112,7 +112,8 @@ def a_batch(model, checks: Checks) -> None:
     mask = tokens >= 0
     cache = run_with_cache(model, tokens, ["resid_post.10"])
     batched = cache.get("resid_post", 10)
-    print(f"  tokens {tuple(tokens.shape)}, right-padded with -1:\n{tokens}")
+    print(f"  tokens {tuple(tokens.shape)}, right-padded with -1:")
+    print("    " + str(tokens).replace("\n", "\n    "))
     print(f"  mask = tokens >= 0 -> real positions per row {mask.sum(1).tolist()}")
     print(f"  cache.get('resid_post', 10) -> {tuple(batched.shape)}")
     checks.true("cache.mask == (tokens >= 0)", torch.equal(cache.mask, mask))
@@ -189,9 +190,10 @@ def lens_table(model, checks: Checks, out: Path) -> dict:
     png = heatmap(words, table, probs, top.layers, out / "logit_lens.png")
     record = {"prompt": PROMPT, "model": model.name, "input_tokens": words, "layers": top.layers,
               "top_tokens": table, "top_probs": probs.tolist(), "answer": lens_answer, "png": str(png)}
-    (out / "logit_lens.json").write_text(json.dumps(record, indent=1))
+    table_json = (out / "logit_lens.json").resolve()
+    table_json.write_text(json.dumps(record, indent=1))
     print(f"\n  logit-lens heatmap written to {png}")
-    print(f"  the same table as JSON:       {out / 'logit_lens.json'}")
+    print(f"  the same table as JSON:       {table_json}")
     return record
 
 

@@ -8,6 +8,12 @@ its recorded rows from the workers and resolves the job's future. Synchronous ca
 the future; async ones await it. Because only this thread touches the engine, hooks, row
 bookkeeping and ``collective_rpc`` never race.
 
+The thread starts with the intra-op thread count of the thread that built the engine. vLLM's
+CPU attention sizes its work split by the calling thread's OpenMP team when it builds the
+metadata and checks it again in the kernel; a fresh thread's team size changes at its first
+parallel torch op, so it is fixed up front (``torch._C.set_num_threads``: vLLM 0.32 replaces
+``torch.set_num_threads`` with a no-op in a process that hosts a CPU worker).
+
 A job whose future is cancelled (an abandoned ``await``) is aborted in the engine. An engine
 failure fails every job in flight, and later calls, with the original error attached.
 """
@@ -20,6 +26,8 @@ import itertools
 import queue
 import threading
 from typing import Any
+
+import torch
 
 
 class EngineStopped(RuntimeError):
@@ -55,6 +63,7 @@ def _resolve(future: concurrent.futures.Future, result=None, error: BaseExceptio
 class EngineLoop:
     def __init__(self, engine):
         self.engine = engine  # vllm.v1.engine.llm_engine.LLMEngine
+        self._threads = torch.get_num_threads()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._ids = itertools.count()
@@ -93,6 +102,7 @@ class EngineLoop:
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            torch._C.set_num_threads(self._threads)
             while True:
                 if not self._admit(block=not self.engine.has_unfinished_requests()):
                     break

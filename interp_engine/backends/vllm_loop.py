@@ -153,7 +153,8 @@ class EngineLoop:
             _resolve(job.future, error=err)
             return
         self._jobs[external] = job
-        new[job.internal_id] = job.points
+        if job.points:  # a job without points is plain generation: nothing to register
+            new[job.internal_id] = job.points
 
     def _register(self, new: dict[str, list[str]]) -> None:
         if new:
@@ -172,9 +173,10 @@ class EngineLoop:
         if not outputs:
             return
         jobs = [self._jobs.pop(o.request_id) for o in outputs]
-        ranks = self.engine.collective_rpc("interp_take", args=([job.internal_id for job in jobs],))
+        taken = [job.internal_id for job in jobs if job.points]
+        ranks = self.engine.collective_rpc("interp_take", args=(taken,)) if taken else []
         for output, job in zip(outputs, jobs):
-            _resolve(job.future, Finished(output, [rank[job.internal_id] for rank in ranks]))
+            _resolve(job.future, Finished(output, [rank.get(job.internal_id, {}) for rank in ranks]))
 
     def _drain(self, error: BaseException) -> None:
         while True:

@@ -38,6 +38,7 @@ class BuildConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="model copies on the cluster")
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str | None = Field(None, description="torch device on each replica; default cuda where GPUs are reserved")
     gpus_per_replica: float | None = Field(None, ge=0)
     cpus_per_replica: float = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1)
@@ -72,7 +73,7 @@ class BuildConfig(BaseModel):
         options = dict(self.backend_options)
         if self.tensor_parallel_size != 1:
             options["tensor_parallel_size"] = self.tensor_parallel_size
-        return dict(backend=self.backend, replicas=self.replicas, dtype=self.dtype,
+        return dict(backend=self.backend, replicas=self.replicas, dtype=self.dtype, device=self.device,
                     gpus_per_replica=self.gpus_per_replica, cpus_per_replica=self.cpus_per_replica,
                     torch_threads=self.torch_threads, env_vars=self.env_vars or None, **options)
 

@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Start and stop a local multi-node Ray cluster on loopback, with token authentication.
+
+    python cluster/local_cluster.py start --workers 2 [--gpus-per-worker 1] [--state DIR]
+    eval "$(python cluster/local_cluster.py env)"     # RAY_ADDRESS, RAY_AUTH_MODE, token path
+    ray job submit --working-dir . -- python jobs/build_dataset.py config.yaml
+    python cluster/local_cluster.py stop
+
+The dashboard and job server listen on 127.0.0.1 only. (Ray's own gRPC ports follow the node
+address, which Ray on Linux resolves from 127.0.0.1 to the machine's IP; those are guarded by the
+token like everything else.) A fresh random token is
+written to ``STATE/auth_token`` (mode 0600) and every node runs with ``RAY_AUTH_MODE=token``
+reading it, so a request without the token gets 401. Each node is one ``ray start --block``
+process in its own process group; ``stop`` ends exactly those groups (never ``ray stop``, which
+would end every Ray on the machine). ``--gpus-per-worker`` declares (fake, on a CPU machine)
+GPUs, which is how the tests place GPU replicas without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_STATE = Path(os.environ.get("INTERP_ENGINE_CLUSTER_STATE", Path.home() / ".cache" / "interp_engine" / "cluster"))
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def env(state: Path) -> dict[str, str]:
+    """What a client needs to reach this cluster: address, auth mode, token file."""
+    info = json.loads((state / "cluster.json").read_text())
+    return {"RAY_ADDRESS": f"http://{HOST}:{info['dashboard_port']}", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(state / "auth_token"), "RAY_GCS_ADDRESS": f"{HOST}:{info['port']}"}
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _ray() -> str:
+    return shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+
+
+def _spawn(args: list[str], log: Path, environ: dict) -> int:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([_ray(), "start", *args, "--block", "--disable-usage-stats"], stdout=out,
+                                stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+    return proc.pid
+
+
+def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1, cpus_per_worker: float = 1,
+          gpus_per_worker: float = 0, timeout: float = 90, dashboard_port: int | None = None) -> dict[str, str]:
+    """Start a head and ``workers`` worker nodes; return the client environment (see :func:`env`)."""
+    state = Path(state)
+    if (state / "cluster.json").exists():
+        raise SystemExit(f"a cluster is already recorded in {state}; run `stop` first (or pass another --state)")
+    state.mkdir(parents=True, exist_ok=True)
+    token = state / "auth_token"
+    for old in state.glob("*.log"):
+        old.unlink()
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    # Jobs run `python ...` with the nodes' PATH: put this interpreter's environment first.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    environ = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": path}
+    environ.pop("RAY_ADDRESS", None)
+    port, dash = free_port(), dashboard_port or free_port()
+    common = ["--node-ip-address", HOST, "--min-worker-port", "0", "--max-worker-port", "0"]
+
+    def node_ports() -> list[str]:
+        return ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+                "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port())]
+
+    # Each node gets its own temp dir: nodes sharing one would share runtime_resources/, and a
+    # worker unpacking a job's working_dir there would pull it from under the running driver.
+    temp = Path(f"/tmp/ray-ie-{port}")  # short: Ray's unix socket paths must stay under 108 bytes
+
+    pids = [_spawn(["--head", "--port", str(port), "--temp-dir", str(temp / "head"),
+                    "--dashboard-host", HOST, "--dashboard-port", str(dash),
+                    "--ray-client-server-port", str(free_port()), "--num-cpus", _num(head_cpus), "--num-gpus", "0",
+                    *common, *node_ports()], state / "head.log", environ)]
+    info = {"port": port, "dashboard_port": dash, "pids": pids, "workers": workers, "temp": str(temp)}
+    (state / "cluster.json").write_text(json.dumps(info))
+    _wait_for_port(port, timeout, state / "head.log")
+    _wait_for_log(state / "head.log", timeout)
+    for i in range(workers):  # one at a time: raylets starting together on one host race for names
+        pids.append(_spawn(["--address", f"{HOST}:{port}", "--num-cpus", _num(cpus_per_worker),
+                            "--num-gpus", _num(gpus_per_worker), "--resources", json.dumps({f"worker_{i}": 1}),
+                            "--temp-dir", str(temp / f"w{i}"),
+                            *common, *node_ports()], state / f"worker-{i}.log", environ))
+        (state / "cluster.json").write_text(json.dumps(info))
+        _wait_for_log(state / f"worker-{i}.log", timeout)
+    _wait_for_nodes(state, 1 + workers, timeout)
+    _wait_for_port(dash, timeout, state / "head.log")
+    return env(state)
+
+
+def _wait_for_port(port: int, timeout: float, log: Path) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"nothing listens on {HOST}:{port} after {timeout:g}s; see {log}")
+
+
+def _wait_for_log(log: Path, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "Ray runtime started" in text:
+            return
+        if "Error" in text or "Traceback" in text:
+            break
+        time.sleep(0.2)
+    raise SystemExit(f"a Ray node did not start; see {log}")
+
+
+def _wait_for_nodes(state: Path, n: int, timeout: float) -> None:
+    code = ("import ray,sys,time\nray.init(address=sys.argv[1], log_to_driver=False)\n"
+            "d=time.time()+float(sys.argv[3])\n"
+            "while sum(x['Alive'] for x in ray.nodes())<int(sys.argv[2]) and time.time()<d: time.sleep(0.3)\n"
+            "sys.exit(0 if sum(x['Alive'] for x in ray.nodes())>=int(sys.argv[2]) else 1)\n")
+    environ = {**os.environ, **env(state)}
+    environ.pop("RAY_ADDRESS")
+    done = subprocess.run([sys.executable, "-c", code, environ["RAY_GCS_ADDRESS"], str(n), str(timeout)],
+                          env=environ, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the cluster did not reach {n} nodes in {timeout:g}s; logs in {state}\n{done.stderr[-2000:]}")
+
+
+def stop(state: Path = DEFAULT_STATE, timeout: float = 10) -> bool:
+    """End the nodes this script started (by their process groups). False if none was recorded."""
+    record = Path(state) / "cluster.json"
+    if not record.exists():
+        return False
+    info = json.loads(record.read_text())
+    pids = info["pids"]
+    for pid in reversed(pids):
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + timeout
+    for pid in pids:
+        while time.time() < deadline and _group_alive(pid):
+            time.sleep(0.2)
+        if _group_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+    record.unlink()
+    if info.get("temp"):
+        shutil.rmtree(info["temp"], ignore_errors=True)
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["start", "stop", "env"])
+    parser.add_argument("--state", type=Path, default=DEFAULT_STATE, help="where the token, pids and logs live")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--head-cpus", type=float, default=1)
+    parser.add_argument("--cpus-per-worker", type=float, default=1)
+    parser.add_argument("--gpus-per-worker", type=float, default=0)
+    parser.add_argument("--dashboard-port", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        variables = start(args.state, workers=args.workers, head_cpus=args.head_cpus,
+                          cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
+                          dashboard_port=args.dashboard_port)
+        print(f"cluster up: head + {args.workers} workers on {HOST}; token in {args.state / 'auth_token'}")
+    elif args.command == "stop":
+        print("stopped" if stop(args.state) else f"no cluster recorded in {args.state}")
+        return 0
+    else:
+        variables = env(args.state)
+    for key, value in variables.items():
+        print(f"export {key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

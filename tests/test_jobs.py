@@ -1,0 +1,148 @@
+"""The dataset-build job: config validation, and end to end on a cluster started by
+``cluster/local_cluster.py`` (head + 2 workers, token auth): ``ray job submit`` with the token
+works, without it is refused (401), and a driver killed mid-build resumes to the same dataset."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from interp_engine.jobs.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def test_config_errors_are_listed_field_by_field():
+    with pytest.raises(ConfigError) as info:
+        load_config({"replicas": 0, "points": ["resid_psot.1"], "layout": "rows", "prompts": [], "extra": 1})
+    text = str(info.value)
+    for field in ("replicas:", "points:", "layout:", "output:", "prompts:", "extra:"):
+        assert f"  {field}" in text, (field, text)
+    assert "greater than or equal to 1" in text and "unknown site 'resid_psot'" in text
+
+
+def test_config_reads_yaml_and_json(tmp_path):
+    data = {"prompts": "p.jsonl", "points": ["resid_post.3"], "output": "out", "replicas": 2}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    assert load_config(tmp_path / "c.yaml") == load_config(tmp_path / "c.json")
+    assert load_config(tmp_path / "c.yaml").load_options()["replicas"] == 2
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _local_cluster():
+    spec = importlib.util.spec_from_file_location("local_cluster", ROOT / "cluster" / "local_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def script_cluster(tmp_path_factory):
+    lc = _local_cluster()
+    state = tmp_path_factory.mktemp("cluster_state")
+    try:
+        variables = lc.start(state, workers=2, head_cpus=1, cpus_per_worker=1, gpus_per_worker=1)
+    except BaseException:
+        lc.stop(state)
+        raise
+    yield state, variables
+    lc.stop(state)
+
+
+def _config(tmp_path, model_path, output, n=40) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": f"Prompt {i}: " + "lorem ipsum dolor " * (2 + i % 5)}) + "\n"
+                               for i in range(n)))
+    config = {"model": str(model_path), "replicas": 2, "gpus_per_replica": 1, "device": "cpu", "cpus_per_replica": 0.5,
+              "torch_threads": 1, "prompts": str(prompts),
+              "points": ["resid_post.2", "logits"], "output": str(output), "layout": "token", "shard_size": 1,
+              "progress": False}
+    path = tmp_path / "build.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _env(variables, **extra):
+    env = {**os.environ, **variables, **extra}
+    env.pop("RAY_GCS_ADDRESS", None)
+    return env
+
+
+def test_dashboard_is_on_loopback_and_needs_the_token(script_cluster):
+    state, variables = script_cluster
+    url = variables["RAY_ADDRESS"] + "/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(url, timeout=10)
+    assert info.value.code == 401
+    token = Path(variables["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    assert urllib.request.urlopen(request, timeout=10).status == 200
+    port = int(variables["RAY_ADDRESS"].rsplit(":", 1)[1])
+    ip = socket.gethostbyname(socket.gethostname())
+    if ip != "127.0.0.1":
+        with socket.socket() as s:
+            assert s.connect_ex((ip, port)) != 0, "the dashboard must not listen beyond loopback"
+
+
+def test_job_submit_with_token_builds_the_dataset(script_cluster, tiny_path, tmp_path):
+    state, variables = script_cluster
+    output = tmp_path / "out"
+    config = _config(tmp_path, tiny_path("llama"), output, n=6)
+    done = subprocess.run([str(Path(PY).parent / "ray"), "job", "submit", "--working-dir", ".", "--", "python",
+                           "jobs/build_dataset.py", str(config)], cwd=ROOT, env=_env(variables),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads([line for line in done.stdout.splitlines() if line.startswith('{"rows"')][-1])
+    assert summary["shards"] == 6 and summary["rows"] == pq.read_table(output).num_rows
+    # without the token the job server refuses the same submission
+    no_token = _env(variables, RAY_AUTH_TOKEN_PATH=str(tmp_path / "none"))
+    refused = subprocess.run([str(Path(PY).parent / "ray"), "job", "submit", "--no-wait", "--", "true"], cwd=tmp_path,
+                             env={k: v for k, v in no_token.items() if k != "RAY_AUTH_MODE"},
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "401" in refused.stdout + refused.stderr or "Unauthorized" in refused.stdout + refused.stderr, refused.stderr
+
+
+def test_driver_killed_mid_build_resumes_to_the_same_dataset(script_cluster, tiny_path, eager_models, tmp_path):
+    from interp_engine.dataset import build_dataset
+
+    state, variables = script_cluster
+    output = tmp_path / "resumed"
+    config = _config(tmp_path, tiny_path("llama"), output)
+    env = _env(variables, RAY_ADDRESS=variables["RAY_GCS_ADDRESS"])
+    command = [PY, "jobs/build_dataset.py", str(config)]
+    driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while len(list(output.glob("part-*.parquet"))) < 3 and time.time() < deadline and driver.poll() is None:
+        time.sleep(0.02)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    partial = len(list(output.glob("part-*.parquet")))
+    assert 3 <= partial < 40, f"the kill should land mid-build ({partial} of 40 shards written)"
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["resumed_shards"] >= partial - 2 and summary["shards"] == 40
+    settings = yaml.safe_load(config.read_text())
+    clean = build_dataset(eager_models("llama"), settings["prompts"], settings["points"], tmp_path / "clean",
+                          layout="token", shard_size=1, progress=False)
+    resumed = pq.read_table(output)
+    assert resumed.num_rows == clean.rows
+    assert resumed.equals(clean.to_arrow())
+    assert not list(output.glob(".*tmp*"))

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from . import __version__
 from .address import check_points, format_address
 from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, tokenizer_fingerprint,
                                weights_fingerprint, write_json)
@@ -90,6 +89,8 @@ def build_dataset(
     bf16 model is stored bit for bit). Every argument is checked, and the prompts read once,
     before any capture starts.
     """
+    from . import __version__
+
     started = time.perf_counter()
     if layout not in LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; use 'sequence' (a row per prompt) or 'token' (a row per position)")

@@ -1,8 +1,8 @@
 """The cluster-backed model: the same calls as a local model, served by N replicas on Ray.
 
 ``load_model(name, backend=..., replicas=N)`` lands here. It joins the Ray cluster the user
-connected to (``ray.init(address=...)`` or ``RAY_ADDRESS``) or starts a local one on
-127.0.0.1, checks that the cluster can hold N replicas *before* placing any (no silent hang),
+connected to (``ray.init(address=...)`` or ``RAY_ADDRESS``) or starts a local one (token
+auth on, no dashboard), checks that the cluster can hold N replicas *before* placing any (no silent hang),
 places them in one placement group spread over the nodes (each replica's GPUs —
 ``tensor_parallel_size`` of them — on one node), and starts a coordinator actor that shards
 calls over them. :class:`ClusterModel` is a :class:`CaptureModel`: ``run_with_cache``,
@@ -28,7 +28,7 @@ class ClusterError(RuntimeError):
 
 
 def connect() -> None:
-    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one on loopback."""
+    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one."""
     import ray
 
     if ray.is_initialized():
@@ -37,7 +37,7 @@ def connect() -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, log_to_driver=False)
 
 
 def check_capacity(nodes: list[dict], replicas: int, gpus: float, cpus: float) -> None:

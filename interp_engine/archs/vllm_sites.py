@@ -40,6 +40,8 @@ class VllmRead:
     phase: str  # "in" | "out" | "call" (the result of the method that ``module`` names)
     parts: tuple
     shard: str = ""
+    #: ``"s t d"``: the tensor stacks the residual streams first (pick the address's stream)
+    layout: str = ""
 
 
 _LLAMA = {
@@ -77,6 +79,17 @@ def _moe(block: str) -> dict[str, VllmRead]:
         "expert_indices": VllmRead(select, "call", (1,)),
     }
 
+#: Gemma 3n (AltUp): a layer returns its ``altup_num_inputs`` streams stacked first,
+#: ``[stream, tokens, d_model]``; the blocks' outputs are normed as in Gemma 2. The single-stream
+#: residual sites are refused on multi-stream models (docs/MOE.md).
+_GEMMA3N = {
+    "attn_out": VllmRead("post_attention_layernorm", "out", (0,)),
+    "mlp_out": VllmRead("post_feedforward_layernorm", "out", (0,)),
+    # k / v are left out: vLLM's KV-shared layers call attention with no keys or values.
+    **{name: _LLAMA[name] for name in ("z", "mlp_post", "q")},
+    "resid_streams": VllmRead("", "out", (0,), layout="s t d"),
+}
+
 #: family (as in :mod:`interp_engine.archs`) -> site name -> where vLLM computes it
 VLLM_SITES: dict[str, dict[str, VllmRead]] = {
     "llama": _LLAMA,
@@ -84,6 +97,7 @@ VLLM_SITES: dict[str, dict[str, VllmRead]] = {
     "qwen3_moe": _moe("mlp"),
     "olmoe": _moe("mlp"),
     "mixtral": _moe("block_sparse_moe"),
+    "gemma3n": _GEMMA3N,
 }
 
 #: the model-level site, computed from the final (normed) hidden states by the model's own

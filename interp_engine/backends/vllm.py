@@ -149,7 +149,7 @@ class VllmModel(CaptureModel):
         return completion, cache
 
     def _read_as(self, address: Address) -> Address:
-        if address.name in _SAME_AS:
+        if address.name in _SAME_AS and address.name not in self.sites:
             return Address(_SAME_AS[address.name], address.layer)
         return address
 

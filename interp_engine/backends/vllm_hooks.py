@@ -170,6 +170,8 @@ class Recorder:
                     continue
                 if parts is None:
                     parts = [p for p in operands(read) if p is not None]
+                    if read.layout == "s t d":  # streams first: this address's stream
+                        parts = [p[address.stream] for p in parts]
                 # A fresh tensor: vLLM's fused add-norms later write into their inputs in place.
                 rows = parts[0][s:e].clone()
                 for p in parts[1:]:

@@ -267,3 +267,27 @@ def test_n_experts_not_matching_the_model(moe_model):
         expert_assignment(selection_only, 1, n_experts=small)
     with pytest.raises(RoutingError, match="holds no routing for layer 2"):
         expert_assignment(cache, 2, n_experts=128)
+
+
+def test_deepseek_v4_hash_and_bias_corrected_routing(moe_model):
+    """DeepSeek-V4's two rules, recomputed here: a hash layer sends token t to ``tid2eid[t]``;
+    a scored layer picks the top-k of sqrt(softplus(logits)) + correction bias and weights them by
+    the renormalised scores (without the bias) times routed_scaling_factor."""
+    model = moe_model("deepseek_v4")
+    config = model.hf.config
+    tokens = model.to_tokens(PROMPTS)
+    cache = run_with_cache(model, tokens, [f"{n}.{L}" for L in (0, 1) for n in
+                                           ("router_logits", "expert_weights", "expert_indices")])
+    assert config.mlp_layer_types == ["hash_moe", "moe"]
+    table = _layer(model, 0).mlp.gate.tid2eid
+    assert torch.equal(cache.get("expert_indices", 0)[cache.mask], table[tokens[cache.mask]])
+
+    bias = _layer(model, 1).mlp.gate.e_score_correction_bias
+    assert bias.abs().sum() > 0, "the tiny model's correction bias is randomised"
+    scores = torch.sqrt(torch.nn.functional.softplus(_flat_real(cache, Address("router_logits", 1)).double()))
+    index = _flat_real(cache, Address("expert_indices", 1))
+    expected = (scores + bias.double()).topk(config.num_experts_per_tok, -1).indices
+    assert torch.equal(index.sort(-1).values, expected.sort(-1).values)
+    chosen = scores.gather(-1, index)
+    torch.testing.assert_close(_flat_real(cache, Address("expert_weights", 1)).double(),
+                               chosen / chosen.sum(-1, keepdim=True) * config.routed_scaling_factor)

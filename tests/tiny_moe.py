@@ -77,5 +77,45 @@ STREAM_FAMILIES = ("deepseek_v4", "hy_v4", "qwen4_exp", "gemma3n")
 
 
 def build(family: str, root: Path, seed: int = 0) -> Path:
-    """Save a tiny random ``family`` model under ``root/family`` and return the folder."""
-    return tiny.build(family, root, seed=seed, config=configs()[family])
+    """Save a tiny random ``family`` model under ``root/family`` and return the folder.
+
+    Routing buffers that random init leaves constant are randomised too, so the routers' rules
+    show in the tests: DeepSeek-style score-correction biases (they change which experts are
+    picked, not their weights) and DeepSeek-V4's hash table (``tid2eid``: k distinct experts
+    per token id)."""
+    path = Path(root) / family
+    if (path / "config.json").exists():
+        return path
+    tiny.build(family, root, seed=seed, config=configs()[family])
+    _randomise_routing_buffers(path, seed)
+    return path
+
+
+def _randomise_routing_buffers(path: Path, seed: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(path.glob("*.safetensors"))
+    generator = torch.Generator().manual_seed(seed + 1)
+    for file in files:
+        tensors = load_file(str(file))
+        changed = False
+        for name, tensor in tensors.items():
+            if name.endswith(("e_score_correction_bias", ".gate.bias")):  # DeepSeek-V4 saves it as gate.bias
+                tensors[name] = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.5
+                changed = True
+            elif name.endswith("tid2eid"):
+                vocab, k = tensor.shape
+                n_experts = _n_experts(path)
+                rows = [torch.randperm(n_experts, generator=generator)[:k] for _ in range(vocab)]
+                tensors[name] = torch.stack(rows).to(tensor.dtype)
+                changed = True
+        if changed:
+            save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _n_experts(path: Path) -> int:
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    return config.get("n_routed_experts") or config.get("num_experts") or config["num_local_experts"]

@@ -45,7 +45,8 @@ def expert_assignment(
     >>> dense = expert_assignment(cache, 10, n_experts=128)              # doctest: +SKIP
     >>> dense = expert_assignment(vllm_cache, 10, 128, top_k=8, renormalize=True)  # doctest: +SKIP
     """
-    weights_at, indices_at, logits_at = (Address(n, layer) for n in ("expert_weights", "expert_indices", "router_logits"))
+    names = ("expert_weights", "expert_indices", "router_logits")
+    weights_at, indices_at, logits_at = (Address(n, layer) for n in names)
     if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts <= 0:
         raise RoutingError(f"n_experts must be a positive int (the model's expert count), got {n_experts!r}")
     if weights_at in cache and indices_at in cache:

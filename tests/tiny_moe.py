@@ -32,12 +32,13 @@ def configs() -> dict:
     return {
         # The seed's example reads layer 10 of a 128-expert model; layer 0 is dense.
         "qwen3_moe": t.Qwen3MoeConfig(
-            **{**_BASE, "num_hidden_layers": 11}, intermediate_size=256, moe_intermediate_size=64, num_experts=128, num_experts_per_tok=8,
-            norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
+            **{**_BASE, "num_hidden_layers": 11}, intermediate_size=256, moe_intermediate_size=64, num_experts=128,
+            num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
         ),
         "olmoe": t.OlmoeConfig(
-            **{**_BASE, "hidden_size": 256, "num_key_value_heads": 4}, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-            norm_topk_prob=False,
+            # OLMoE's qk-norm spans all heads, so heads * head_dim must equal hidden_size.
+            **{**_BASE, "hidden_size": 256, "num_key_value_heads": 4}, intermediate_size=64, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=False,
         ),
         "mixtral": t.MixtralConfig(
             **_BASE, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,

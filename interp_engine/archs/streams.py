@@ -1,8 +1,9 @@
 """Site tables of the families whose residual is several streams.
 
-Hyper-connection models (DeepSeek-V4, HY-v4, Qwen4-Exp) carry ``hc_mult`` residual streams through every
-layer as one ``[batch, pos, stream, d_model]`` tensor (Qwen4-Exp: ``[batch, pos, stream * d_model]``); each block reads a learned mix of the
-streams and writes its output back into every stream with per-token weights. Gemma 3n's AltUp
+Hyper-connection models (DeepSeek-V4, HY-v4, Qwen4-Exp) carry ``hc_mult`` residual streams
+through every layer as one ``[batch, pos, stream, d_model]`` tensor (Qwen4-Exp:
+``[batch, pos, stream * d_model]``); each block reads a learned mix of the streams and writes its
+output back into every stream with per-token weights. Gemma 3n's AltUp
 carries ``altup_num_inputs`` predictions as ``[stream, batch, pos, d_model]``; the blocks run on
 the active one (stream 0) and AltUp corrects the others from it.
 

@@ -48,10 +48,13 @@ class Recorder:
         self.table = vllm_sites(arch.family)
         self.layers = self.model.get_submodule(arch.layers)
         self.wanted: dict[str, frozenset[Address]] = {}
-        # request -> address -> list of (positions, rows), in the order computed
+        # request -> address -> [(forward positions, first row, chunk, offset, length)], in the
+        # order computed; a chunk holds one forward's rows of every request that wanted it
         self.store: dict[str, dict[Address, list]] = {}
-        # this forward's registered requests: (request, first row, end row, positions)
-        self.batch: list[tuple[str, int, int, torch.Tensor]] = []
+        # this forward's registered requests: (request, first row, end row), and its positions
+        self.batch: list[tuple[str, int, int]] = []
+        self._positions = torch.empty(0, dtype=torch.long)
+        self._selections: dict[tuple, tuple] = {}
         self.max_batch = 0
         self._groups: dict[_Group, list[Address]] = {}
         self._handles: dict[object, object] = {}
@@ -127,15 +130,33 @@ class Recorder:
     def _on_batch(self, module, args, kwargs):
         """Map this forward's rows to (request, position) for the registered requests."""
         self.batch = []
-        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        self._selections = {}
         batch = self.runner.input_batch
         n = batch.num_reqs
         starts = self.runner.query_start_loc.np[: n + 1]
         for j, rid in enumerate(batch.req_ids[:n]):
             if rid in self.wanted:
-                s, e = int(starts[j]), int(starts[j + 1])
-                self.batch.append((rid, s, e, positions[s:e].clone()))
+                self.batch.append((rid, int(starts[j]), int(starts[j + 1])))
+        if self.batch:
+            positions = kwargs["positions"] if "positions" in kwargs else args[1]
+            self._positions = positions[: int(starts[n])].clone()
         self.max_batch = max(self.max_batch, len(self.batch))
+
+    def _selection(self, address: Address):
+        """The rows of this forward that requests want at ``address``: a selector (a slice when
+        they are contiguous, else an index) and each request's (id, first row) in row order.
+        Cached per set of requesters, so one forward selects once per distinct set."""
+        spans = tuple((rid, s, e) for rid, s, e in self.batch if address in self.wanted[rid])
+        if not spans:
+            return None
+        found = self._selections.get(spans)
+        if found is None:
+            if all(a[2] == b[1] for a, b in zip(spans, spans[1:])):
+                selector = slice(spans[0][1], spans[-1][2])
+            else:
+                selector = torch.cat([torch.arange(s, e) for _, s, e in spans])
+            found = self._selections[spans] = (selector, spans)
+        return found
 
     def _input_hook(self, group: _Group):
         def hook(module, args, kwargs):
@@ -163,47 +184,61 @@ class Recorder:
         for address in self._groups.get(group, ()):
             if not self._keeps(address):
                 continue
+            selection = self._selection(address)
+            if selection is None:
+                continue
             read: VllmRead = self.table[address.name]
-            parts = None
-            for rid, s, e, positions in self.batch:
-                if address not in self.wanted[rid]:
-                    continue
-                if parts is None:
-                    parts = [p for p in operands(read) if p is not None]
-                    if read.layout == "s t d":  # streams first: this address's stream
-                        parts = [p[address.stream] for p in parts]
-                # A fresh tensor: vLLM's fused add-norms later write into their inputs in place.
-                rows = parts[0][s:e].clone()
-                for p in parts[1:]:
-                    rows += p[s:e]
-                self.store[rid][address].append((positions, rows))
+            parts = [p for p in operands(read) if p is not None]
+            if read.layout == "s t d":  # streams first: this address's stream
+                parts = [p[address.stream] for p in parts]
+            self._keep(address, selection, _select(parts, selection[0]))
+
+    def _keep(self, address: Address, selection, chunk: torch.Tensor) -> None:
+        """One chunk per forward and address; each request keeps a reference to its rows."""
+        offset = 0
+        for rid, s, e in selection[1]:
+            self.store[rid][address].append((self._positions, s, chunk, offset, e - s))
+            offset += e - s
 
     def _on_final_hidden(self, module, args, hidden):
         """Logits at every recorded row, through the model's own ``compute_logits``.
 
         Every rank calls it (it gathers the vocabulary shards); rank 0 keeps the result."""
         logits = Address(LOGITS)
-        spans = [(rid, s, e, pos) for rid, s, e, pos in self.batch if logits in self.wanted[rid]]
-        if not spans:
+        selection = self._selection(logits) if self.batch else None
+        if selection is None:
             return
-        rows = torch.cat([hidden[s:e] for _, s, e, _ in spans])
-        values = self.model.compute_logits(rows)
-        if values is None or self.tp_rank != 0:
-            return
-        offset = 0
-        for rid, s, e, positions in spans:
-            self.store[rid][logits].append((positions, values[offset : offset + e - s].clone()))
-            offset += e - s
+        values = self.model.compute_logits(hidden[selection[0]])
+        if values is not None and self.tp_rank == 0:
+            self._keep(logits, selection, values)
 
 
-def _dense(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Place chunks of rows at their positions; a later chunk overwrites an earlier one."""
-    width = int(max(int(p.max()) for p, _ in chunks)) + 1
-    first = chunks[0][1]
-    rows = torch.zeros((width, *first.shape[1:]), dtype=first.dtype)
+def _select(parts: list[torch.Tensor], selector) -> torch.Tensor:
+    """The selected rows of the sum of ``parts``, as a fresh tensor: vLLM's fused add-norms
+    later write into their inputs in place."""
+    pieces = [p[selector] for p in parts]
+    if len(pieces) == 1:
+        return pieces[0].clone() if isinstance(selector, slice) else pieces[0]
+    total = pieces[0] + pieces[1]
+    for piece in pieces[2:]:
+        total += piece
+    return total
+
+
+def _dense(entries: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's rows in position order, from ``(positions, first row, chunk, offset, length)``
+    entries in the order computed; a position computed again (recompute after preemption)
+    takes the later value. Returns ``(rows, seen)``."""
+    rows = torch.cat([chunk[o : o + n] for _, _, chunk, o, n in entries])
+    positions = torch.cat([pos[s : s + n] for pos, s, _, _, n in entries]).long()
+    width = int(positions.max()) + 1
+    if positions.numel() == width and torch.equal(positions, torch.arange(width)):
+        return rows, torch.ones(width, dtype=torch.bool)
+    out = torch.zeros((width, *rows.shape[1:]), dtype=rows.dtype)
     seen = torch.zeros(width, dtype=torch.bool)
-    for positions, values in chunks:
-        positions = positions.long()
-        rows[positions] = values.to(rows.device)
-        seen[positions] = True
-    return rows, seen
+    offset = 0
+    for pos, s, _, _, n in entries:  # in order, so a recomputed position is overwritten
+        out[pos[s : s + n].long()] = rows[offset : offset + n]
+        seen[pos[s : s + n].long()] = True
+        offset += n
+    return out, seen

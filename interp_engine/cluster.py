@@ -37,7 +37,7 @@ def connect() -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
 
 def check_capacity(nodes: list[dict], replicas: int, gpus: float, cpus: float) -> None:

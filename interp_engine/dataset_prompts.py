@@ -77,8 +77,19 @@ class PromptSource:
         elif self.kind == "parquet":
             yield from self._parquet()
         else:
+            yield from self._ray()
+
+    def _ray(self) -> Iterator[str]:
+        # Shard i must hold the same prompts on every pass: keep the dataset's order while reading.
+        from ray.data import DataContext
+
+        options = DataContext.get_current().execution_options
+        previous, options.preserve_order = options.preserve_order, True
+        try:
             for batch in self.data.iter_batches(batch_size=256, batch_format="pyarrow"):
                 yield from self._column(batch)
+        finally:
+            options.preserve_order = previous
 
     def _jsonl(self) -> Iterator[str]:
         with open(self.data, encoding="utf-8") as f:

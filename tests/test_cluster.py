@@ -190,3 +190,12 @@ def test_output_with_a_different_dataset_is_refused(cluster_llama, tmp_path):
     again = build_dataset(cluster_llama, _prompts(5), ["resid_post.1"], tmp_path / "o", progress=False,
                           overwrite=True)
     assert again.rows == 5
+
+
+def test_prompts_from_a_ray_dataset(cluster_llama, tmp_path):
+    prompts = _prompts(9)
+    from_list = build_dataset(cluster_llama, prompts, ["resid_post.0"], tmp_path / "l", shard_size=4, progress=False)
+    ray_ds = ray.data.from_items([{"text": p, "id": i} for i, p in enumerate(prompts)])
+    from_ray = build_dataset(cluster_llama, ray_ds, ["resid_post.0"], tmp_path / "r", shard_size=4, progress=False)
+    assert from_ray.manifest["identity"] == from_list.manifest["identity"]
+    assert from_ray.to_arrow().equals(from_list.to_arrow())

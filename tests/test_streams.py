@@ -155,3 +155,20 @@ def test_sites_a_family_table_lacks_are_refused_with_the_valid_list(stream_model
     model = stream_model("deepseek_v4")
     with pytest.raises(AddressError, match="deepseek_v4 family table has no 'z'.*valid sites: attn_out, mlp_out"):
         run_with_cache(model, model.to_tokens("Hi"), ["z.0"])
+
+
+def test_gemma3n_attention_sites_on_kv_shared_layers(stream_model):
+    """Gemma 3n's last ``num_kv_shared_layers`` layers attend to the keys and values of the last
+    earlier layer of the same attention type; k / v there are those shared tensors."""
+    model = stream_model("gemma3n")
+    config = model.hf.config
+    n, shared = config.num_hidden_layers, config.num_kv_shared_layers
+    points = [f"{s}.{L}" for L in range(n) for s in ("k", "v", "pattern")]
+    cache = run_with_cache(model, model.to_tokens(PROMPTS), points)
+    for L in range(n - shared, n):
+        source = max(i for i in range(n - shared) if config.layer_types[i] == config.layer_types[L])
+        for site in ("k", "v"):
+            assert torch.equal(cache.get(site, L), cache.get(site, source)), f"{site}.{L} is {site}.{source}"
+    batch, pos = cache.mask.nonzero(as_tuple=True)
+    rows = cache.get("pattern", n - 1)[batch, :, pos]  # each real query row of each head
+    torch.testing.assert_close(rows.sum(-1), torch.ones_like(rows.sum(-1)))

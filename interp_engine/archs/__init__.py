@@ -78,6 +78,7 @@ ARCHS: list[Arch] = [
 
 
 def _extend() -> None:
+    """Join the families kept in their own modules (they build on the tables above)."""
     from .moe import ARCHS as moe_archs
     from .streams import ARCHS as stream_archs
 
@@ -88,7 +89,7 @@ _extend()
 
 
 def register(arch: Arch) -> None:
-    """Add a family (used by the MoE and multi-stream tables)."""
+    """Add a family at run time (the built-in ones are listed above or joined by ``_extend``)."""
     ARCHS.append(arch)
 
 

@@ -82,6 +82,22 @@ def _split(point: str):
     return (name, *(int(x) for x in rest))
 
 
+def test_concurrent_captures_of_different_points_each_get_their_own_rows(model):
+    # Requests wanting a site are interleaved with requests that do not, so the recorder selects
+    # non-contiguous rows of the flat batch.
+    point_sets = [["resid_post.1"], ["z.2", "resid_post.1"], ["logits", "mlp_out.0"]]
+    jobs = [(model.to_tokens("mixed " * (1 + i % 5) + str(i)), point_sets[i % 3]) for i in range(12)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(model.capture(t, points) for t, points in jobs))
+
+    for (tokens, points), got in zip(jobs, asyncio.run(all_at_once())):
+        alone = run_with_cache(model, tokens, points)
+        assert set(got) == set(alone)
+        for address in alone:
+            torch.testing.assert_close(got[address], alone[address], rtol=1e-5, atol=1e-5)
+
+
 def test_concurrent_generations_equal_solo_generations(model):
     prompts = [model.to_tokens(t) for t in ("a", "bb bb", "ccc ccc ccc", "dddd")]
 
@@ -169,10 +185,27 @@ def test_generation_that_runs_into_max_model_len_stops_there(model, reference):
     assert_serves(model, reference)
 
 
-def test_a_checkpoint_vllm_would_run_differently_is_refused(tiny_path):
+def test_a_checkpoint_vllm_would_run_differently_is_refused(tiny_path, model, reference):
     # The shared tiny Qwen2 has head_dim 64 with hidden 128 / 4 heads; vLLM 0.32's Qwen2 ignores
     # head_dim and would compute a different model.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         with pytest.raises(ValueError, match="heads of size 32"):
             load_model(str(tiny_path("qwen2")), backend="vllm", max_model_len=64)
+    # That second engine in this process started and was shut down; this one still serves.
+    assert_serves(model, reference)
+
+
+def test_an_abandoned_capture_is_aborted_and_forgotten(model, reference):
+    async def start_then_abandon():
+        task = asyncio.ensure_future(model.capture(model.to_tokens("long one"), ["resid_post.0"], max_tokens=100,
+                                                   stop_at_eos=False))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(start_then_abandon())
+    assert_serves(model, reference)  # the loop aborted it between steps, then served this
+    for rank in model.engine_state():
+        assert rank["pending"] == [] and rank["hooks"] == 0

@@ -97,7 +97,7 @@ def test_tp2_generation_and_async(tp2, tp1):
         torch.testing.assert_close(got[Address("z", 0)], run_with_cache(tp1, p, ["z.0"])["z.0"], rtol=1e-5, atol=1e-5)
 
 
-def test_close_leaves_no_worker_processes(tp2, children_before):
+def test_close_leaves_no_worker_processes(tp2, tp1, children_before):
     workers = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
     workers = [p for p in workers if "resource_tracker" not in " ".join(p.cmdline())]
     assert len(workers) >= 2  # one per rank while serving
@@ -107,3 +107,5 @@ def test_close_leaves_no_worker_processes(tp2, children_before):
     assert not alive, f"worker processes left after close: {[p.pid for p in alive]}"
     with pytest.raises(RuntimeError, match="closed"):
         run_with_cache(tp2, tp2.to_tokens("after close"), ["z.0"])
+    # the other engine of this process still serves after this one's shutdown
+    assert run_with_cache(tp1, tp1.to_tokens("still here"), ["z.0"])["z.0"].shape[1] == 11

@@ -17,13 +17,16 @@ The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Wit
 node each rank needs its own cores, so ``VLLM_CPU_OMP_THREADS_BIND`` is set (``"0|1"`` style)
 unless the caller set it. Written against vLLM 0.32.0, which caches its environment variables
 once an engine starts (``vllm.envs.enable_envs_cache``); the cache is cleared before a new
-engine reads them.
+engine reads them. Several engines may serve in one process at once; stopping one leaves the
+others' shared distributed state in place (:func:`stop_engine`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import threading
 
 import torch
 
@@ -103,16 +106,47 @@ def _environment(tensor_parallel_size: int):
                 os.environ[key] = value
 
 
+# Engines started by this module and not stopped yet. Their engine cores all live in this
+# process and share vLLM's process-wide distributed state (the TP=1 worker's groups).
+_LIVE: set[int] = set()
+_LIVE_LOCK = threading.Lock()
+
+
 def start_engine(options: dict):
     """A started ``vllm.LLM`` built from :func:`engine_options`."""
     from vllm import LLM
 
     with _environment(options["tensor_parallel_size"]):
-        return LLM(**options)
+        llm = LLM(**options)
+    with _LIVE_LOCK:
+        _LIVE.add(id(llm))
+    return llm
 
 
 def stop_engine(llm) -> None:
-    """Shut the engine core and its worker processes down."""
+    """Shut the engine core and its worker processes down.
+
+    vLLM 0.32's ``EngineCore.shutdown`` ends by tearing down the process-wide distributed state
+    (``cleanup_dist_env_and_memory``), which any other engine still serving in this process is
+    using. So while others are live this engine is shut down piece by piece as that method does
+    it, minus the teardown; the last engine to stop does the full shutdown.
+    """
     engine = getattr(llm, "llm_engine", None)
-    if engine is not None:
-        engine.engine_core.shutdown()
+    if engine is None:
+        return
+    with _LIVE_LOCK:
+        _LIVE.discard(id(llm))
+        others = bool(_LIVE)
+    client = engine.engine_core  # InprocClient: the engine core runs in this process
+    if not others:
+        client.shutdown()
+        return
+    if client._finalizer.detach() is None:  # already shut down
+        return
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()
+    gc.unfreeze()

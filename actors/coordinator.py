@@ -36,18 +36,19 @@ class CoordinatorCore:
         self.per_replica = per_replica
         self.names = names or {}
         self._lock = threading.Lock()
-        self._progress: list[ShardStats] = []
+        self._progress: dict[str, list[ShardStats]] = {}
+        self._dead: set[int] = set()
         self.resubmitted = 0
 
     def _scheduler(self) -> Scheduler:
         with self._lock:
-            live = [r for r in self.replicas if r not in getattr(self, "_dead", set())]
+            live = [r for r in self.replicas if r not in self._dead]
         return Scheduler(self.executor, live, per_replica=self.per_replica, names=self.names)
 
     def _forget(self, scheduler: Scheduler) -> None:
         """Later calls skip replicas this call found dead."""
         with self._lock:
-            self._dead = getattr(self, "_dead", set()) | set(scheduler.dead)
+            self._dead |= set(scheduler.dead)
             self.resubmitted += scheduler.resubmitted
 
     def run(self, tokens: np.ndarray, points: list[str]) -> Captured:
@@ -84,27 +85,30 @@ class CoordinatorCore:
             self._forget(scheduler)
         raise RuntimeError("[Internal] the generate shard produced no result")
 
-    def build(self, spec: ShardSpec, source, skip: set[int]) -> int:
-        """Write every shard not in ``skip``; returns how many were written."""
+    def build(self, build_id: str, spec: ShardSpec, source, skip: set[int]) -> int:
+        """Write every shard not in ``skip``; returns how many were written. ``progress(build_id)``
+        lists the shards written so far."""
         shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip))
         scheduler = self._scheduler()
         written = 0
+        with self._lock:
+            self._progress[build_id] = []
         try:
             for _, stats in scheduler.run("write_shard", shards):
                 with self._lock:
-                    self._progress.append(stats)
+                    self._progress[build_id].append(stats)
                 written += 1
         finally:
             self._forget(scheduler)
         return written
 
-    def progress(self, since: int = 0) -> list[ShardStats]:
+    def progress(self, build_id: str, since: int = 0) -> list[ShardStats]:
         with self._lock:
-            return self._progress[since:]
+            return self._progress.get(build_id, [])[since:]
 
-    def reset_progress(self) -> None:
+    def forget_build(self, build_id: str) -> None:
         with self._lock:
-            self._progress = []
+            self._progress.pop(build_id, None)
 
 
 class RayExecutor:
@@ -154,14 +158,14 @@ def coordinator_actor():
         def generate(self, tokens, points, options):
             return self.core.generate(tokens, points, options)
 
-        def build(self, spec, source, skip):
-            return self.core.build(spec, source, skip)
+        def build(self, build_id, spec, source, skip):
+            return self.core.build(build_id, spec, source, skip)
 
-        def progress(self, since: int = 0):
-            return self.core.progress(since)
+        def progress(self, build_id, since: int = 0):
+            return self.core.progress(build_id, since)
 
-        def reset_progress(self):
-            self.core.reset_progress()
+        def forget_build(self, build_id):
+            self.core.forget_build(build_id)
 
         def resubmitted(self) -> int:
             return self.core.resubmitted

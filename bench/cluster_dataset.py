@@ -18,10 +18,12 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 WORDS = "the of and a to in is was he for it with as his on be at by had are but from or have an they".split()
@@ -31,12 +33,16 @@ def prompts(n: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6 + i % 10)) for i in range(n)]
 
 
-def timed_build(model, texts, points, out, threads=None) -> float:
+def timed_build(model, texts, points, out) -> float:
+    """One full build into a fresh folder (a reused folder would resume: nothing to do)."""
     from interp_engine import build_dataset
 
+    out = Path(f"{out}-{uuid.uuid4().hex[:8]}")
     start = time.perf_counter()
-    build_dataset(model, texts, points, out, layout="token", shard_size=8, progress=False, overwrite=True)
-    return time.perf_counter() - start
+    build_dataset(model, texts, points, out, layout="token", shard_size=8, progress=False)
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(out)
+    return elapsed
 
 
 def overhead_and_scaling(args, work: Path) -> dict:

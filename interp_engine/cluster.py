@@ -272,20 +272,25 @@ class ClusterModel(CaptureModel):
 
     def write_shards(self, spec, source, skip):
         """Have the replicas write the dataset shards not in ``skip``; yield their stats as they land."""
+        import uuid
+
         import ray
 
-        self._get(self._coordinator.reset_progress.remote())
-        ref = self._coordinator.build.remote(spec, source, set(skip))
+        build_id = uuid.uuid4().hex
+        ref = self._coordinator.build.remote(build_id, spec, source, set(skip))
         seen = 0
-        while True:
-            ready, _ = ray.wait([ref], timeout=0.25)
-            new = self._get(self._coordinator.progress.remote(seen))
-            seen += len(new)
-            yield from new
-            if ready:
-                self._get(ref)
-                yield from self._get(self._coordinator.progress.remote(seen))
-                return
+        try:
+            while True:
+                ready, _ = ray.wait([ref], timeout=0.25)
+                new = self._get(self._coordinator.progress.remote(build_id, seen))
+                seen += len(new)
+                yield from new
+                if ready:
+                    self._get(ref)
+                    yield from self._get(self._coordinator.progress.remote(build_id, seen))
+                    return
+        finally:
+            self._coordinator.forget_build.remote(build_id)
 
     def kill_replica(self, index: int) -> None:
         """Kill replica ``index`` (fault drills: the coordinator moves its work to the others)."""

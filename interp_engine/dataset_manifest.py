@@ -9,6 +9,7 @@ only when the identity is equal. ``status`` and ``result`` record progress and t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,10 +28,16 @@ class DatasetExistsError(FileExistsError):
 
 
 def weights_fingerprint(folder) -> str:
-    """sha256 over the model folder's weight files and config (names and bytes, sorted)."""
-    folder = Path(folder)
+    """sha256 over the model folder's weight files and config (names and bytes, sorted); cached
+    per process while the files' sizes and times are unchanged."""
+    folder = Path(folder).resolve()
+    files = tuple(sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"))
+    return _fingerprint(files, tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(files: tuple[Path, ...], signature: tuple) -> str:
     digest = hashlib.sha256()
-    files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json")
     for path in files:
         digest.update(path.name.encode() + b"\0")
         with open(path, "rb") as f:

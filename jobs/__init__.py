@@ -1,0 +1,1 @@
+"""Ray job entrypoints (installed as ``interp_engine.jobs``): ``build_dataset.py`` and its config."""

@@ -174,8 +174,8 @@ def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_mo
             return _model_facts(local)
 
         def write_shards(self, spec, source, skip):
-            self.core.build(spec, source, skip)
-            yield from self.core.progress()
+            self.core.build("b", spec, source, skip)
+            yield from self.core.progress("b")
 
     faulty = build_dataset(FakeCluster(), prompts, ["resid_post.1"], tmp_path / "faulty", shard_size=4,
                            progress=False)

@@ -91,6 +91,8 @@ def test_bad_inputs_fail_before_any_work(cluster, cluster_llama, tiny_path, tmp_
         load_model(str(tiny_path("llama")), replicas=0)
     with pytest.raises(ClusterError, match="needs 2 GPUs on one node"):
         load_model(str(tiny_path("llama")), replicas=1, gpus_per_replica=2, device="cpu")
+    with pytest.raises(ClusterError, match="needs 2 GPUs on one node"):  # before any vLLM engine starts
+        load_model(str(tiny_path("llama")), backend="vllm", replicas=1, tensor_parallel_size=2)
     with pytest.raises(ClusterError, match="at most 2 fit"):
         load_model(str(tiny_path("llama")), replicas=3, **REPLICA)
     with pytest.raises(AddressError, match="unknown site"):

@@ -96,6 +96,11 @@ class ReplicaCore:
     def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
         return write_shard(self.model, spec, index, texts)
 
+    def o_proj_weight(self, layer: int):
+        from .wire import Packed
+
+        return Packed.of(self.model.o_proj_weight(layer))
+
     def ping(self) -> int:
         return os.getpid()
 

@@ -201,6 +201,7 @@ class ClusterModel(CaptureModel):
         self._coordinator = coordinator
         self._placement = placement
         self._weights: str | None = None
+        self._o_proj: dict = {}
 
     def __repr__(self) -> str:
         return f"ClusterModel({self.name!r}, backend={self.backend!r}, replicas={len(self._replicas)})"
@@ -213,6 +214,12 @@ class ClusterModel(CaptureModel):
     def nodes(self) -> list[str]:
         """The Ray node id of each replica."""
         return [f.node for f in self.replica_facts]
+
+    def o_proj_weight(self, layer: int):
+        """The attention output projection of ``layer``, fetched once from a replica."""
+        if layer not in self._o_proj:
+            self._o_proj[layer] = self._get(self._replicas[0].o_proj_weight.remote(layer)).tensor()
+        return self._o_proj[layer]
 
     def facts(self) -> dict:
         if self._weights is None:

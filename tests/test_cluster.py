@@ -61,6 +61,16 @@ def test_padded_batch_equals_local(cluster_llama, eager_models):
     assert got.model_name == expected.model_name and got.backend == expected.backend == "eager"
 
 
+def test_head_contributions_work_on_a_cluster_model(cluster_llama, eager_models):
+    from interp_engine import head_contributions
+
+    local = eager_models("llama")
+    tokens = local.to_tokens("heads")
+    want = head_contributions(local, run_with_cache(local, tokens, ["z.1"]), 1)
+    got = head_contributions(cluster_llama, run_with_cache(cluster_llama, tokens, ["z.1"]), 1)
+    assert torch.equal(got, want)
+
+
 def test_capture_generation_equals_local(cluster_llama, eager_models):
     local = eager_models("llama")
     tokens = local.to_tokens("Hello there")

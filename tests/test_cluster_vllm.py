@@ -61,3 +61,26 @@ def test_vllm_cluster_generation_and_async_equal_local(models):
 
     for want, got in zip(asyncio.run(gather(local)), asyncio.run(gather(cluster))):
         assert list(got) == list(want) and all(torch.equal(got[a], want[a]) for a in want)
+
+
+def test_a_replica_error_names_its_replica_and_shard(models):
+    """The engine's max_model_len (128) is below the model's 256 positions: the driver's checks pass
+    and the replica refuses — the error keeps its type and says where it happened."""
+    from interp_engine import InputError
+
+    local, cluster = models
+    tokens = local.tok.to_tokens(["short", "x" * 150])
+    with pytest.raises(InputError, match=r"^\[replica 0 on node \w{8}, shard 1\] .*max_model_len"):
+        run_with_cache(cluster, tokens, ["resid_post.0"])
+    assert run_with_cache(cluster, tokens[:1, :6], ["resid_post.0"])["resid_post.0"].shape[1] == 6
+
+
+def test_vllm_cluster_dataset_equals_local_vllm_dataset(models, tmp_path):
+    from interp_engine import build_dataset
+
+    local, cluster = models
+    prompts = [f"row {i} " + "abc " * (i % 4) for i in range(7)]
+    a = build_dataset(local, prompts, ["resid_post.1"], tmp_path / "local", shard_size=3, progress=False)
+    b = build_dataset(cluster, prompts, ["resid_post.1"], tmp_path / "cluster", shard_size=3, progress=False)
+    assert a.rows == b.rows == 7 and a.manifest["identity"] == b.manifest["identity"]
+    assert a.to_arrow().equals(b.to_arrow())

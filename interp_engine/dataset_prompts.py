@@ -44,7 +44,7 @@ class PromptSource:
         if isinstance(prompts, PromptSource):
             return prompts
         if isinstance(prompts, (str, Path)):
-            path = Path(prompts).expanduser()
+            path = Path(prompts).expanduser().resolve()  # the coordinator may run elsewhere
             if not path.exists():
                 raise PromptsError(f"prompts file {str(path)!r} does not exist; pass a .jsonl or .parquet file "
                                    f"with a {text_key!r} field, or a list of strings")

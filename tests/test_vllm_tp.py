@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 
-import psutil
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from interp_engine import Address, capture_generation, load_model, run_with_cach
 from . import tiny
 
 pytest.importorskip("vllm")
+psutil = pytest.importorskip("psutil")  # a vllm dependency
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v", "mlp_post")
 TP_EQUALS_TP1 = ("resid_post", "attn_out", "mlp_out", "z")

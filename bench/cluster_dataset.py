@@ -5,7 +5,9 @@
 Three ratios, each measured side by side in one run (absolute times on shared machines are noise):
 
 1. overhead: ``build_dataset`` through a cluster model with 1 replica / the same build with the
-   model in this process (same captures, same Parquet writes, same torch threads). Target <= 1.15.
+   model in this process (same captures, same Parquet writes, same torch threads — 1 by default,
+   as oversubscribed multi-threaded torch on a shared 2-core box swings by several x). Runs are
+   interleaved and the best of ``--repeats`` kept. Target <= 1.15.
 2. scaling: 2 replicas on 2 nodes (one pinned torch thread each) / 1 replica (one thread):
    time ratio, ideally 0.5 where the machine has 2 free cores.
 3. memory: peak RSS of a build of 1,000 prompts / 100 prompts, for the driver and a replica,
@@ -53,7 +55,8 @@ def overhead_and_scaling(args, work: Path) -> dict:
     from interp_engine import load_model
 
     texts = prompts(args.prompts)
-    threads = torch.get_num_threads()
+    threads = args.threads
+    torch.set_num_threads(threads)  # the local side gets exactly the replica's threads
     local = load_model(args.model)
     points = [f"resid_post.{local.n_layers // 2}", f"mlp_out.{local.n_layers // 2}"]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
@@ -65,8 +68,9 @@ def overhead_and_scaling(args, work: Path) -> dict:
         one = load_model(args.model, replicas=1, cpus_per_replica=1, torch_threads=threads)
         timed_build(local, texts[:8], points, work / "warm-local")
         timed_build(one, texts[:8], points, work / "warm-one")
-        local_s = min(timed_build(local, texts, points, work / "local") for _ in range(args.repeats))
-        one_s = min(timed_build(one, texts, points, work / "one") for _ in range(args.repeats))
+        pairs = [(timed_build(local, texts, points, work / "local"), timed_build(one, texts, points, work / "one"))
+                 for _ in range(args.repeats)]  # interleaved, so both sides see the same machine load
+        local_s, one_s = min(p[0] for p in pairs), min(p[1] for p in pairs)
         one.close()
         one_pinned = load_model(args.model, replicas=1, cpus_per_replica=1, torch_threads=1)
         timed_build(one_pinned, texts[:8], points, work / "warm-1")
@@ -120,7 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=NAME)
     parser.add_argument("--prompts", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, local and per replica")
     parser.add_argument("--rss-prompts", type=int, nargs=2, default=[100, 1000])
     parser.add_argument("--rss-child", type=int, dest="n", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--skip-memory", action="store_true")

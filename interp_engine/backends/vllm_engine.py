@@ -52,6 +52,16 @@ def engine_options(path, dtype: torch.dtype, tensor_parallel_size: int, max_mode
         options.pop(key, None)
     if "worker_extension_cls" in options:
         raise ValueError("worker_extension_cls is set by the vLLM capture backend itself; drop the option")
+    if "compilation_config" in options:
+        raise ValueError("compilation_config is not allowed on the vLLM capture backend: compiled graphs skip "
+                         "the capture hooks, so it always runs eagerly. Drop the option.")
+    for key in ("pipeline_parallel_size", "data_parallel_size"):
+        if options.get(key, 1) != 1:
+            raise ValueError(
+                f"{key}={options[key]} is not supported by the vLLM capture backend: it reads every layer "
+                f"from the ranks of one model replica. Use tensor_parallel_size, or several replicas "
+                f"(load_model(..., replicas=N))."
+            )
     batched = options.pop("max_num_batched_tokens", None) or max_model_len
     if batched < max_model_len:
         raise ValueError(

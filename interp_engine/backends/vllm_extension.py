@@ -67,7 +67,7 @@ class CaptureExtension:
         linear = self._interp_recorder().layers[layer].get_submodule(path)
         weight = linear.weight
         if weight.numel():
-            return weight.detach().clone()
+            return weight.detach().to("cpu", copy=True)
         width = linear.input_size_per_partition
         with torch.inference_mode():
             identity = torch.eye(width, dtype=linear.params_dtype)

@@ -139,7 +139,8 @@ class Recorder:
                 self.batch.append((rid, int(starts[j]), int(starts[j + 1])))
         if self.batch:
             positions = kwargs["positions"] if "positions" in kwargs else args[1]
-            self._positions = positions[: int(starts[n])].clone()
+            # on the host: the bookkeeping indexes with it (one small copy per forward on a GPU)
+            self._positions = positions[: int(starts[n])].to("cpu", copy=True)
         self.max_batch = max(self.max_batch, len(self.batch))
 
     def _selection(self, address: Address):
@@ -229,7 +230,7 @@ def _dense(entries: list) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's rows in position order, from ``(positions, first row, chunk, offset, length)``
     entries in the order computed; a position computed again (recompute after preemption)
     takes the later value. Returns ``(rows, seen)``."""
-    rows = torch.cat([chunk[o : o + n] for _, _, chunk, o, n in entries])
+    rows = torch.cat([chunk[o : o + n] for _, _, chunk, o, n in entries]).cpu()
     positions = torch.cat([pos[s : s + n] for pos, s, _, _, n in entries]).long()
     width = int(positions.max()) + 1
     if positions.numel() == width and torch.equal(positions, torch.arange(width)):

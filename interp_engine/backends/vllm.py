@@ -67,9 +67,9 @@ class VllmModel(CaptureModel):
         self._weights: dict[int, torch.Tensor] = {}
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
-        if any(read.phase == "call" for read in self.sites.values()):
-            self.unserved |= frozenset(run_on_loop(self._loop, "interp_unreadable_sites")[0])
-        try:
+        try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
+            if any(read.phase == "call" for read in self.sites.values()):
+                self.unserved |= frozenset(run_on_loop(self._loop, "interp_unreadable_sites")[0])
             self._check_geometry()
         except BaseException:
             self.close()

@@ -55,6 +55,7 @@ class Recorder:
         self.batch: list[tuple[str, int, int]] = []
         self._positions = torch.empty(0, dtype=torch.long)
         self._selections: dict[tuple, tuple] = {}
+        self._uniform: tuple | None = None  # (points, selection) when all requests want the same
         self.max_batch = 0
         self._groups: dict[_Group, list[Address]] = {}
         self._handles: dict[object, object] = {}
@@ -137,7 +138,11 @@ class Recorder:
         for j, rid in enumerate(batch.req_ids[:n]):
             if rid in self.wanted:
                 self.batch.append((rid, int(starts[j]), int(starts[j + 1])))
+        self._uniform = None
         if self.batch:
+            wants = {self.wanted[rid] for rid, _, _ in self.batch}
+            if len(wants) == 1:  # the usual case: every request here wants the same points
+                self._uniform = (wants.pop(), self._selection_of(tuple(self.batch)))
             positions = kwargs["positions"] if "positions" in kwargs else args[1]
             # on the host: the bookkeeping indexes with it (one small copy per forward on a GPU)
             self._positions = positions[: int(starts[n])].to("cpu", copy=True)
@@ -147,9 +152,13 @@ class Recorder:
         """The rows of this forward that requests want at ``address``: a selector (a slice when
         they are contiguous, else an index) and each request's (id, first row) in row order.
         Cached per set of requesters, so one forward selects once per distinct set."""
+        if self._uniform is not None:
+            wanted, selection = self._uniform
+            return selection if address in wanted else None
         spans = tuple((rid, s, e) for rid, s, e in self.batch if address in self.wanted[rid])
-        if not spans:
-            return None
+        return self._selection_of(spans) if spans else None
+
+    def _selection_of(self, spans: tuple):
         found = self._selections.get(spans)
         if found is None:
             if all(a[2] == b[1] for a, b in zip(spans, spans[1:])):

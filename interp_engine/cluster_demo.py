@@ -14,10 +14,11 @@ PROMPTS = [
 ]
 
 
-def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print) -> dict:
+def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print, local=None) -> dict:
     """Start a local Ray cluster (unless one is connected), capture through ``replicas`` replicas
     of the embedded SmolLM2, build a small dataset, print a summary, and return it as a dict
-    (rows, shards, tokens_per_s, output, nodes)."""
+    (rows, shards, tokens_per_s, output, nodes, and ``equal_to_local`` when ``local`` — the same
+    model loaded in this process — is given to compare the cluster's capture with)."""
     import ray
 
     from .cluster import load_cluster_model
@@ -28,11 +29,15 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    import torch
+
     cpus = ray.cluster_resources().get("CPU", 1)
+    # Bitwise equality with the local model needs its thread count: float sums split differently.
+    threads = torch.get_num_threads() if local is not None else max(1, (os.cpu_count() or 1) // replicas)
     model = None
     try:
         model = load_cluster_model(NAME, replicas=replicas, cpus_per_replica=min(1.0, cpus / (replicas + 1)),
-                                   torch_threads=max(1, (os.cpu_count() or 1) // replicas))
+                                   torch_threads=threads)
         layer = model.n_layers // 2
         points = [f"resid_post.{layer}", f"mlp_out.{layer}"]
         echo(f"cluster: {replicas} replicas of {NAME} ({model.backend}) on {len(set(model.nodes))} node(s)")
@@ -40,6 +45,11 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
         cache = run_with_cache(model, tokens, points)
         echo(f"run_with_cache through the cluster: {points[0]} {tuple(cache[points[0]].shape)} "
              f"(a padded batch of 2, split over the replicas)")
+        equal = None
+        if local is not None:
+            want = run_with_cache(local, tokens, points)
+            equal = all(torch.equal(cache[p], want[p]) for p in points)
+            echo(f"  equal to the local model's capture: {equal}")
         prompts = [PROMPTS[i % len(PROMPTS)] + f" (variant {i})" for i in range(n_prompts)]
         out = Path(output or cache_dir() / "demo_dataset")
         dataset = build_dataset(model, prompts, points, out, layout="token", dtype="bfloat16", shard_size=4,
@@ -49,7 +59,7 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
              f"{dataset.prompts} prompts, {rate:.0f} tokens/s, at {dataset.path}")
         echo(f"  read it back: pyarrow.parquet.read_table({str(dataset.path)!r}) or ray.data.read_parquet(...)")
         return {"rows": dataset.rows, "shards": dataset.shards, "tokens_per_s": rate, "output": str(dataset.path),
-                "nodes": len(set(model.nodes)), "replicas": replicas}
+                "nodes": len(set(model.nodes)), "replicas": replicas, "equal_to_local": equal}
     finally:
         if model is not None:
             model.close()

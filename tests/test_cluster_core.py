@@ -183,3 +183,17 @@ def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_mo
     a, b = clean.to_arrow(), faulty.to_arrow()
     assert a.equals(b)
     assert sorted(b.column("prompt_index").to_pylist()) == list(range(23))
+
+
+def test_coordinator_keeps_input_order_when_results_arrive_reversed(cores, eager_models):
+    class Reversed(LocalExecutor):
+        def wait(self, futures, timeout):
+            return list(reversed(futures))[:1]
+
+    local = eager_models("llama")
+    tokens = local.tok.to_tokens(["first prompt", "2nd", "the third one", "4"])
+    expected = run_with_cache(local, tokens, ["resid_post.0"])
+    got = CoordinatorCore(Reversed(cores), 2, batched=False, per_replica=4).run(tokens.numpy(), ["resid_post.0"])
+    assert np.array_equal(got.tokens, tokens.numpy())
+    torch.testing.assert_close(_cache_of(got)[parse_address("resid_post.0")], expected["resid_post.0"],
+                               rtol=1e-5, atol=1e-5)

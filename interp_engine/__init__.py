@@ -14,8 +14,10 @@ from .address import parse_address as parse_address
 from .address import to_address as to_address
 from .analysis import head_contributions as head_contributions
 from .cache import Cache as Cache
+from .cluster import ClusterError as ClusterError
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
+from .dataset_manifest import DatasetExistsError as DatasetExistsError
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from interp_engine.address import parse_address
 from interp_engine.embedded import NAME as EMBEDDED
@@ -28,6 +28,14 @@ from interp_engine.embedded import NAME as EMBEDDED
 
 class ConfigError(ValueError):
     """A job configuration that does not validate; the message lists every bad field."""
+
+
+def _point(text: str) -> str:
+    parse_address(text)  # AddressError is a ValueError: pydantic reports it on this list item
+    return text
+
+
+Point = Annotated[str, AfterValidator(_point)]
 
 
 class BuildConfig(BaseModel):
@@ -47,20 +55,13 @@ class BuildConfig(BaseModel):
 
     prompts: str | list[str]
     text_key: str = "text"
-    points: list[str] = Field(min_length=1)
+    points: list[Point] = Field(min_length=1)
     output: str
     layout: Literal["sequence", "token"] = "sequence"
     storage_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     shard_size: int = Field(64, ge=1)
     overwrite: bool = False
     progress: bool = True
-
-    @field_validator("points")
-    @classmethod
-    def _points_parse(cls, points: list[str]) -> list[str]:
-        for point in points:
-            parse_address(point)  # AddressError is a ValueError: pydantic reports it on this field
-        return points
 
     @field_validator("prompts")
     @classmethod
@@ -100,7 +101,8 @@ def load_config(source: str | Path | dict) -> BuildConfig:
     try:
         return BuildConfig.model_validate(source)
     except ValidationError as err:
-        lines = [f"  {_where(e['loc'])}: {e['msg']}" + (f" (got {e['input']!r})" if _show(e) else "")
+        lines = [f"  {_where(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                 + (f" (got {e['input']!r})" if _show(e) else "")
                  for e in err.errors()]
         raise ConfigError(f"{label}: {len(lines)} problem(s):\n" + "\n".join(lines)) from None
 

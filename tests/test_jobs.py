@@ -28,9 +28,10 @@ PY = sys.executable
 
 def test_config_errors_are_listed_field_by_field():
     with pytest.raises(ConfigError) as info:
-        load_config({"replicas": 0, "points": ["resid_psot.1"], "layout": "rows", "prompts": [], "extra": 1})
+        load_config({"replicas": 0, "points": ["resid_post.1", "resid_psot.1"], "layout": "rows", "prompts": [],
+                     "extra": 1})
     text = str(info.value)
-    for field in ("replicas:", "points:", "layout:", "output:", "prompts:", "extra:"):
+    for field in ("replicas:", "points[1]:", "layout:", "output:", "prompts:", "extra:"):
         assert f"  {field}" in text, (field, text)
     assert "greater than or equal to 1" in text and "unknown site 'resid_psot'" in text
 

@@ -2,7 +2,7 @@
 """Start and stop a local multi-node Ray cluster on loopback, with token authentication.
 
     python cluster/local_cluster.py start --workers 2 [--gpus-per-worker 1] [--state DIR]
-    eval "$(python cluster/local_cluster.py env)"     # RAY_ADDRESS, RAY_AUTH_MODE, token path
+    eval "$(python cluster/local_cluster.py env)"     # RAY_ADDRESS, RAY_API_SERVER_ADDRESS, auth
     ray job submit --working-dir . -- python jobs/build_dataset.py config.yaml
     python cluster/local_cluster.py stop
 
@@ -41,10 +41,13 @@ def free_port() -> int:
 
 
 def env(state: Path) -> dict[str, str]:
-    """What a client needs to reach this cluster: address, auth mode, token file."""
+    """What a client needs to reach this cluster: the cluster address (``ray.init``, and so
+    ``load_model(..., replicas=N)``), the job server address (``ray job submit``), auth mode and
+    token file."""
     info = json.loads((state / "cluster.json").read_text())
-    return {"RAY_ADDRESS": f"http://{HOST}:{info['dashboard_port']}", "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN_PATH": str(state / "auth_token"), "RAY_GCS_ADDRESS": f"{HOST}:{info['port']}"}
+    return {"RAY_ADDRESS": f"{HOST}:{info['port']}",
+            "RAY_API_SERVER_ADDRESS": f"http://{HOST}:{info['dashboard_port']}",
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state / "auth_token")}
 
 
 def _num(value: float) -> str:
@@ -137,8 +140,7 @@ def _wait_for_nodes(state: Path, n: int, timeout: float) -> None:
             "while sum(x['Alive'] for x in ray.nodes())<int(sys.argv[2]) and time.time()<d: time.sleep(0.3)\n"
             "sys.exit(0 if sum(x['Alive'] for x in ray.nodes())>=int(sys.argv[2]) else 1)\n")
     environ = {**os.environ, **env(state)}
-    environ.pop("RAY_ADDRESS")
-    done = subprocess.run([sys.executable, "-c", code, environ["RAY_GCS_ADDRESS"], str(n), str(timeout)],
+    done = subprocess.run([sys.executable, "-c", code, environ["RAY_ADDRESS"], str(n), str(timeout)],
                           env=environ, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the cluster did not reach {n} nodes in {timeout:g}s; logs in {state}\n{done.stderr[-2000:]}")

@@ -80,21 +80,19 @@ def _config(tmp_path, model_path, output, n=40) -> Path:
 
 
 def _env(variables, **extra):
-    env = {**os.environ, **variables, **extra}
-    env.pop("RAY_GCS_ADDRESS", None)
-    return env
+    return {**os.environ, **variables, **extra}
 
 
 def test_dashboard_is_on_loopback_and_needs_the_token(script_cluster):
     state, variables = script_cluster
-    url = variables["RAY_ADDRESS"] + "/api/jobs/"
+    url = variables["RAY_API_SERVER_ADDRESS"] + "/api/jobs/"
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(url, timeout=10)
     assert info.value.code == 401
     token = Path(variables["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     assert urllib.request.urlopen(request, timeout=10).status == 200
-    port = int(variables["RAY_ADDRESS"].rsplit(":", 1)[1])
+    port = int(variables["RAY_API_SERVER_ADDRESS"].rsplit(":", 1)[1])
     ip = socket.gethostbyname(socket.gethostname())
     if ip != "127.0.0.1":
         with socket.socket() as s:
@@ -113,7 +111,7 @@ def test_job_submit_with_token_builds_the_dataset(script_cluster, tiny_path, tmp
     assert summary["shards"] == 6 and summary["rows"] == pq.read_table(output).num_rows
     # without the token the job server refuses a submission (the same REST call `ray job submit` makes)
     body = json.dumps({"entrypoint": "python jobs/build_dataset.py " + str(config)}).encode()
-    request = urllib.request.Request(variables["RAY_ADDRESS"] + "/api/jobs/", data=body, method="POST",
+    request = urllib.request.Request(variables["RAY_API_SERVER_ADDRESS"] + "/api/jobs/", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
@@ -126,7 +124,7 @@ def test_driver_killed_mid_build_resumes_to_the_same_dataset(script_cluster, tin
     state, variables = script_cluster
     output = tmp_path / "resumed"
     config = _config(tmp_path, tiny_path("llama"), output, n=24)
-    env = _env(variables, RAY_ADDRESS=variables["RAY_GCS_ADDRESS"])
+    env = _env(variables)  # RAY_ADDRESS is the cluster's GCS: the driver joins it
     command = [PY, "jobs/build_dataset.py", str(config)]
     driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180

@@ -58,7 +58,8 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
         echo(f"dataset: {dataset.rows} rows (one per token) in {dataset.shards} Parquet shards, "
              f"{dataset.prompts} prompts, {rate:.0f} tokens/s, at {dataset.path}")
         echo(f"  read it back: pyarrow.parquet.read_table({str(dataset.path)!r}) or ray.data.read_parquet(...)")
-        return {"rows": dataset.rows, "shards": dataset.shards, "tokens_per_s": rate, "output": str(dataset.path),
+        return {"rows": dataset.rows, "prompts": prompts, "shards": dataset.shards, "tokens_per_s": rate,
+                "output": str(dataset.path),
                 "nodes": len(set(model.nodes)), "replicas": replicas, "equal_to_local": equal}
     finally:
         if model is not None:

@@ -224,10 +224,23 @@ def heatmap(words: list[str], table: list[list[str]], probs: torch.Tensor, layer
 
 
 # -- the job -----------------------------------------------------------------------------------
+def cluster(model, checks: Checks, out: Path) -> None:
+    """The same calls through a local Ray cluster: 2 replicas, one capture, a small dataset."""
+    from .cluster_demo import demo_summary
+
+    section("A Ray cluster: 2 replicas of the same model, and an activation dataset")
+    summary = demo_summary(replicas=2, output=out / "activations", local=model, echo=lambda line: print("  " + line))
+    checks.true("cluster capture == local capture (torch.equal)", summary["equal_to_local"])
+    expected = sum(len(model.tok.encode(p)) for p in summary["prompts"])
+    checks.true("dataset rows (one per token) == tokens of the prompts", summary["rows"] == expected > 0,
+                f"{summary['rows']} rows")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m interp_engine.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("INTERP_ENGINE_DEMO_OUT", "out"),
                         help="folder for the logit-lens PNG and JSON (default ./out)")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the Ray cluster part")
     parser.add_argument("--model", default=embedded.NAME,
                         help=f"model name or local folder with at least 11 layers (the examples read layer 10, as the "
                              f"seed does; default: the embedded {embedded.NAME})")
@@ -254,11 +267,8 @@ def main(argv=None) -> int:
     generation(model, checks)
     lens_table(model, checks, out)
 
-    # ==== HOOK POINT: the Ray cluster part ======================================================
-    # The cluster demo (written with the Ray issue) is called here, after the local examples:
-    # the same calls on a cluster-backed model (load_model(..., replicas=N)), given `model`,
-    # `checks` and `out`. Nothing runs here yet.
-    # =============================================================================================
+    if not args.no_cluster:
+        cluster(model, checks, out)
 
     section("Summary")
     print(f"  {checks.count - len(checks.failed)}/{checks.count} checks passed "

@@ -72,3 +72,13 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert oracle == " Paris"
     assert record["answer"] == oracle == record["top_tokens"][-1][-1]
     assert all(0 < p <= 1 for row in record["top_probs"] for p in row)
+
+    # The cluster part: the same capture through 2 replicas, and a Parquet dataset on disk.
+    for check in ("cluster capture == local capture", "dataset rows (one per token) == tokens of the prompts"):
+        line = next((ln for ln in printed.splitlines() if check in ln), None)
+        assert line is not None and line.rstrip().endswith("ok"), f"{check!r} not printed as ok:\n{printed}"
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out / "activations")
+    rows = int(re.search(r"dataset: (\d+) rows", printed).group(1))
+    assert table.num_rows == rows > 0

@@ -26,8 +26,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# Each prints ratios measured side by side in one run; numbers in BENCHMARKS.md and docs/.
 bench: $(STAMP)
 	$(PY) bench/eager_capture.py
+	$(PY) bench/vllm_capture.py
+	$(PY) bench/cluster_dataset.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

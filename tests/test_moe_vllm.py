@@ -18,18 +18,11 @@ from interp_engine.address import check_points
 from interp_engine.backends.vllm_moe import unreadable_sites
 
 from . import tiny_moe
+from .oracles import assert_near
 
 pytest.importorskip("vllm")
 
-REL = 1e-4
 PROMPT = "Hello there, experts"
-
-
-def assert_near(got, want, what, rel=REL):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = float((got.float() - want.float()).abs().max())
-    scale = float(want.float().abs().max())
-    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel} * {scale:.3g}"
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,11 @@ import pytest
 from interp_engine import AddressError, capture_generation, load_model, run_with_cache
 
 from . import tiny_moe
+from .oracles import assert_near
 
 pytest.importorskip("vllm")
 
-REL = 1e-4
 PROMPT = "Streams of thought"
-
-
-def assert_near(got, want, what, rel=REL):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = float((got.float() - want.float()).abs().max())
-    scale = float(want.float().abs().max())
-    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel} * {scale:.3g}"
 
 
 @pytest.fixture(scope="module")

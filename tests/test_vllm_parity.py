@@ -14,19 +14,12 @@ import torch
 from interp_engine import capture_generation, head_contributions, run_with_cache
 
 from . import tiny
+from .oracles import assert_near
 from .tiny import DENSE_FAMILIES
 
 pytest.importorskip("vllm")
 
-REL = 1e-4
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v", "mlp_post")
-
-
-def assert_near(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = REL) -> None:
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = float((got.float() - want.float()).abs().max())
-    scale = float(want.float().abs().max())
-    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel} * {scale:.3g}"
 
 
 @pytest.fixture(scope="module")

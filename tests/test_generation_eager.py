@@ -51,3 +51,14 @@ def test_async_capture_is_a_plain_dict_keyed_by_address(model):
             got["resid_post.1"]
         ref = run_with_cache(model, model.to_tokens(prompt), ["resid_post.1"])
         assert torch.equal(got[Address("resid_post", 1)], ref.get("resid_post", 1))
+
+
+def test_captured_tensors_can_train_a_probe(model):
+    """Captures are ordinary tensors (not inference-mode ones), so a probe trains on them."""
+    _, generated = capture_generation(model, model.to_tokens("probe"), ["resid_post.1"], max_tokens=2)
+    for cache in (run_with_cache(model, model.to_tokens("probe me"), ["resid_post.1"]), generated):
+        x = cache.get("resid_post", 1)
+        assert not x.is_inference() and not x.requires_grad
+        probe = torch.nn.Linear(x.shape[-1], 1)
+        probe(x).sum().backward()
+        assert probe.weight.grad.abs().sum() > 0

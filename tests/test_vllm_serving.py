@@ -213,3 +213,12 @@ def test_an_abandoned_capture_is_aborted_and_forgotten(model, reference):
     assert_serves(model, reference)  # the loop aborted it between steps, then served this
     for rank in model.engine_state():
         assert rank["pending"] == [] and rank["hooks"] == 0
+
+
+def test_captured_tensors_can_train_a_probe(model):
+    cache = run_with_cache(model, model.to_tokens("probe me"), ["resid_post.1"])
+    x = cache.get("resid_post", 1)
+    assert not x.is_inference()
+    probe = torch.nn.Linear(x.shape[-1], 1)
+    probe(x).sum().backward()
+    assert probe.weight.grad.abs().sum() > 0

@@ -69,7 +69,7 @@ class EagerModel(CaptureModel):
 
     def _grad_context(self, detach: bool):
         if detach:
-            return torch.inference_mode() if not self.requires_grad else torch.no_grad()
+            return torch.no_grad()
         if not self.requires_grad:
             raise InputError(
                 "detach=False needs a model loaded for gradients: "
@@ -108,7 +108,7 @@ class EagerModel(CaptureModel):
         finish = "length"
         past = DynamicCache(config=self.hf.config)
         step_ids = tokens.to(self.device)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.no_grad():
             with self._recorder(addresses, detach=True, stop_early=False) as recorder:
                 for _ in range(options.max_tokens):
                     start = past.get_seq_length()

@@ -154,7 +154,7 @@ class VllmModel(CaptureModel):
         return address
 
     def _tensors(self, finished: Finished, addresses: list[Address], n: int) -> dict[Address, torch.Tensor]:
-        return {a: self._assemble(self._read_as(a), finished.ranks, n) for a in addresses}
+        return {a: _ordinary(self._assemble(self._read_as(a), finished.ranks, n)) for a in addresses}
 
     def _holders(self, shard: str) -> list[int]:
         """The ranks whose pieces make up a site, in rank order."""
@@ -181,6 +181,12 @@ class VllmModel(CaptureModel):
         elif address.name in ("k", "v"):
             tensor = tensor.unflatten(-1, (self.info.n_kv_heads, self.info.d_head))
         return tensor[None]
+
+
+def _ordinary(tensor: torch.Tensor) -> torch.Tensor:
+    """Rows recorded under vLLM's inference mode become ordinary tensors, so that users can train
+    a probe on them (autograd refuses to save inference tensors for backward)."""
+    return tensor.clone() if tensor.is_inference() else tensor
 
 
 def _shutdown(loop: EngineLoop, llm) -> None:

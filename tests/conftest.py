@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from . import tiny
+from . import tiny, tiny_moe
+
+
+def pytest_configure(config):
+    """vLLM-CPU engines in the tests reserve a 1 GiB KV cache (its default is 4 GiB per engine,
+    and several engines live at once)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(scope="session")
@@ -14,8 +22,9 @@ def tiny_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_path(tiny_root):
-    """``tiny_path(family)`` -> folder of a tiny random model of that family."""
-    return lambda family: tiny.build(family, tiny_root)
+    """``tiny_path(family)`` -> folder of a tiny random model of that family (dense, MoE or
+    multi-stream)."""
+    return lambda family: (tiny_moe if family in tiny_moe.MOE_FAMILIES + tiny_moe.STREAM_FAMILIES else tiny).build(family, tiny_root)
 
 
 @pytest.fixture(scope="session")

@@ -20,16 +20,14 @@ KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 @pytest.fixture(scope="module")
 def models(tiny_path):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
-        path = str(tiny_path("llama"))
-        cluster = load_model(path, backend="vllm", replicas=1, cpus_per_replica=0.5, env_vars=KV, max_model_len=128)
-        local = load_model(path, backend="vllm", max_model_len=128)
-        yield local, cluster
-        cluster.close()
-        local.close()
-        ray.shutdown()
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    path = str(tiny_path("llama"))
+    cluster = load_model(path, backend="vllm", replicas=1, cpus_per_replica=0.5, env_vars=KV, max_model_len=128)
+    local = load_model(path, backend="vllm", max_model_len=128)
+    yield local, cluster
+    cluster.close()
+    local.close()
+    ray.shutdown()
 
 
 def test_vllm_cluster_takes_a_padded_batch(models):

@@ -20,24 +20,6 @@ SOFTMAX = (*ROUTED, "qwen4_exp")  # softmax, top-k, renormalised when norm_topk_
 ALL = tiny_moe.MOE_FAMILIES
 
 
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_moe")
-    return lambda family: tiny_moe.build(family, root)
-
-
-@pytest.fixture(scope="module")
-def moe_model(moe_path):
-    loaded = {}
-
-    def get(family):
-        if family not in loaded:
-            loaded[family] = load_model(str(moe_path(family)), backend="eager")
-        return loaded[family]
-
-    return get
-
-
 def _layer(model, layer):
     return model.hf.model.layers[layer]
 
@@ -61,8 +43,8 @@ def _flat_real(cache, address):
 
 
 @pytest.mark.parametrize("family", ROUTED)
-def test_router_logits_are_the_gate_on_the_layer_input(moe_model, family):
-    model = moe_model(family)
+def test_router_logits_are_the_gate_on_the_layer_input(eager_models, family):
+    model = eager_models(family)
     layer = model.info.moe_layers[-1]
     tokens = model.to_tokens(PROMPTS)
     cache = run_with_cache(model, tokens, [f"router_logits.{layer}", f"resid_mid.{layer}"])
@@ -81,8 +63,8 @@ def test_router_logits_are_the_gate_on_the_layer_input(moe_model, family):
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_selection_is_what_the_experts_consumed(moe_model, family):
-    model = moe_model(family)
+def test_selection_is_what_the_experts_consumed(eager_models, family):
+    model = eager_models(family)
     tokens = model.to_tokens(PROMPTS)
     layers = model.info.moe_layers
     points = [f"{n}.{L}" for L in layers for n in ("expert_weights", "expert_indices")]
@@ -100,10 +82,10 @@ def test_selection_is_what_the_experts_consumed(moe_model, family):
 
 
 @pytest.mark.parametrize("family", SOFTMAX)
-def test_selection_follows_the_family_rule(moe_model, family):
+def test_selection_follows_the_family_rule(eager_models, family):
     """Independently of the module: the selected experts are a top-k of the softmax, and the
     weights are their probabilities, renormalised exactly when the config says so."""
-    model = moe_model(family)
+    model = eager_models(family)
     config = model.hf.config
     renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
     layer = model.info.moe_layers[0]
@@ -120,10 +102,10 @@ def test_selection_follows_the_family_rule(moe_model, family):
     torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_tied_router_scores_keep_the_modules_selection(moe_path):
+def test_tied_router_scores_keep_the_modules_selection(tiny_path):
     """Every expert scores the same: the top-k is a pure tie. The captured selection is still
     the one the experts received, k distinct experts each weighted 1/k."""
-    model = load_model(str(moe_path("qwen3_moe")), backend="eager")
+    model = load_model(str(tiny_path("qwen3_moe")), backend="eager")
     layer = model.info.moe_layers[0]
     gate = _layer(model, layer).mlp.gate
     with torch.no_grad():
@@ -145,8 +127,8 @@ def test_tied_router_scores_keep_the_modules_selection(moe_path):
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_expert_assignment_from_the_selection(moe_model, family):
-    model = moe_model(family)
+def test_expert_assignment_from_the_selection(eager_models, family):
+    model = eager_models(family)
     info = model.info
     tokens = model.to_tokens(PROMPTS)
     points = [f"{n}.{L}" for L in info.moe_layers for n in ("router_logits", "expert_weights", "expert_indices")]
@@ -174,8 +156,8 @@ def test_expert_assignment_from_the_selection(moe_model, family):
 
 
 @pytest.mark.parametrize("family", SOFTMAX)
-def test_expert_assignment_from_router_logits_applies_the_named_rule(moe_model, family):
-    model = moe_model(family)
+def test_expert_assignment_from_router_logits_applies_the_named_rule(eager_models, family):
+    model = eager_models(family)
     info = model.info
     renormalize = getattr(model.hf.config, "norm_topk_prob", True)
     layer = info.moe_layers[0]
@@ -188,9 +170,9 @@ def test_expert_assignment_from_router_logits_applies_the_named_rule(moe_model, 
     torch.testing.assert_close(derived, expert_assignment(full, layer, info.n_experts), rtol=1e-5, atol=1e-6)
 
 
-def test_seed_moe_example_runs_as_written(moe_path):
+def test_seed_moe_example_runs_as_written(tiny_path):
     """The seed's "MoE routing" example, with the tiny 128-expert Qwen3-MoE in place of Qwen3-30B-A3B."""
-    name = str(moe_path("qwen3_moe"))
+    name = str(tiny_path("qwen3_moe"))
     from interp_engine import expert_assignment, load_model, run_with_cache
 
     model = load_model(name, backend="eager")
@@ -205,9 +187,9 @@ def test_seed_moe_example_runs_as_written(moe_path):
     torch.testing.assert_close(dense.sum(-1), torch.ones(1, cache.tokens.shape[1]))
 
 
-def test_batched_routing_matches_single_prompts(moe_model):
+def test_batched_routing_matches_single_prompts(eager_models):
     """Router outputs are flat over batch*pos; a padded batch must land each row on its prompt."""
-    model = moe_model("qwen3_moe")
+    model = eager_models("qwen3_moe")
     layer = 3
     points = [f"router_logits.{layer}", f"expert_indices.{layer}"]
     batch = run_with_cache(model, model.to_tokens(PROMPTS), points)
@@ -219,10 +201,10 @@ def test_batched_routing_matches_single_prompts(moe_model):
         assert torch.equal(batch.get("expert_indices", layer)[row, :n], single.get("expert_indices", layer)[0])
 
 
-def test_routing_while_generating(moe_model):
+def test_routing_while_generating(eager_models):
     from interp_engine import capture_generation
 
-    model = moe_model("qwen3_moe")
+    model = eager_models("qwen3_moe")
     tokens = model.to_tokens("Hi")
     completion, cache = capture_generation(model, tokens, ["router_logits.1", "expert_indices.1"], max_tokens=3,
                                            stop_at_eos=False)
@@ -243,21 +225,21 @@ def test_moe_sites_on_a_dense_model_say_so(eager_models, site):
         run_with_cache(model, model.to_tokens("Hi"), [f"{site}.0"])
 
 
-def test_moe_sites_on_a_dense_layer_list_the_moe_layers(moe_model):
-    model = moe_model("qwen3_moe")
+def test_moe_sites_on_a_dense_layer_list_the_moe_layers(eager_models):
+    model = eager_models("qwen3_moe")
     with pytest.raises(AddressError, match=r"layer 0 is out of range.*\[1, 2, .*10\]"):
         run_with_cache(model, model.to_tokens("Hi"), ["router_logits.0"])
 
 
-def test_mlp_post_on_an_moe_layer_points_to_the_routing(moe_model):
-    model = moe_model("qwen3_moe")
+def test_mlp_post_on_an_moe_layer_points_to_the_routing(eager_models):
+    model = eager_models("qwen3_moe")
     with pytest.raises(AddressError, match=r"MoE layer.*dense layers \[0\].*router_logits"):
         run_with_cache(model, model.to_tokens("Hi"), ["mlp_post.1"])
     assert run_with_cache(model, model.to_tokens("Hi"), ["mlp_post.0"]).get("mlp_post", 0).shape[-1] == 256
 
 
-def test_n_experts_not_matching_the_model(moe_model):
-    model = moe_model("qwen3_moe")
+def test_n_experts_not_matching_the_model(eager_models):
+    model = eager_models("qwen3_moe")
     cache = run_with_cache(model, model.to_tokens("Hi"), ["router_logits.1", "expert_weights.1", "expert_indices.1"])
     with pytest.raises(RoutingError, match="n_experts=64 does not match the model.*Pass n_experts=128"):
         expert_assignment(cache, 1, n_experts=64)
@@ -269,11 +251,11 @@ def test_n_experts_not_matching_the_model(moe_model):
         expert_assignment(cache, 2, n_experts=128)
 
 
-def test_deepseek_v4_hash_and_bias_corrected_routing(moe_model):
+def test_deepseek_v4_hash_and_bias_corrected_routing(eager_models):
     """DeepSeek-V4's two rules, recomputed here: a hash layer sends token t to ``tid2eid[t]``;
     a scored layer picks the top-k of sqrt(softplus(logits)) + correction bias and weights them by
     the renormalised scores (without the bias) times routed_scaling_factor."""
-    model = moe_model("deepseek_v4")
+    model = eager_models("deepseek_v4")
     config = model.hf.config
     tokens = model.to_tokens(PROMPTS)
     cache = run_with_cache(model, tokens, [f"{n}.{L}" for L in (0, 1) for n in

@@ -26,19 +26,12 @@ PROMPT = "Hello there, experts"
 
 
 @pytest.fixture(scope="module")
-def kv_cache_space():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
 def moe_root(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm_tiny_moe")
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "olmoe", "mixtral"])
-def pair(request, moe_root, kv_cache_space):
+def pair(request, moe_root):
     """(vllm model, eager model) of one MoE family, on the same weights."""
     path = str(tiny_moe.build(request.param, moe_root))
     model = load_model(path, backend="vllm", max_model_len=128)

@@ -12,19 +12,17 @@ import pytest
 from interp_engine import expert_assignment, load_model, run_with_cache
 
 from . import tiny_moe
+from .oracles import REL
 
 pytest.importorskip("vllm")
 
-REL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        path = str(tiny_moe.build("qwen3_moe", tmp_path_factory.mktemp("tp_tiny_moe")))
-        with load_model(path, backend="vllm", max_model_len=128, tensor_parallel_size=2) as model:
-            yield model, load_model(path, backend="eager")
+    path = str(tiny_moe.build("qwen3_moe", tmp_path_factory.mktemp("tp_tiny_moe")))
+    with load_model(path, backend="vllm", max_model_len=128, tensor_parallel_size=2) as model:
+        yield model, load_model(path, backend="eager")
 
 
 def test_routing_under_tensor_parallelism_matches_eager(pair):

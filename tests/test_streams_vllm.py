@@ -21,12 +21,10 @@ PROMPT = "Streams of thought"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        path = str(tiny_moe.build("gemma3n", tmp_path_factory.mktemp("vllm_gemma3n")))
-        model = load_model(path, backend="vllm", max_model_len=128)
-        yield model, load_model(path, backend="eager")
-        model.close()
+    path = str(tiny_moe.build("gemma3n", tmp_path_factory.mktemp("vllm_gemma3n")))
+    model = load_model(path, backend="vllm", max_model_len=128)
+    yield model, load_model(path, backend="eager")
+    model.close()
 
 
 def test_every_served_site_matches_eager(pair):

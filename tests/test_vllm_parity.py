@@ -22,13 +22,6 @@ pytest.importorskip("vllm")
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v", "mlp_post")
 
 
-@pytest.fixture(scope="module")
-def kv_cache_space():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-
-
 @pytest.fixture(scope="module", params=DENSE_FAMILIES)
 def family(request):
     return request.param
@@ -53,7 +46,7 @@ def vllm_tiny_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(family, vllm_tiny_path, kv_cache_space):
+def pair(family, vllm_tiny_path):
     """(vllm model, eager model) of one family, on the same weights."""
     from interp_engine import load_model
 

@@ -20,11 +20,9 @@ SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def model():
     from interp_engine import load_model
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        model = load_model(SMOL, backend="vllm")
-        yield model
-        model.close()
+    model = load_model(SMOL, backend="vllm")
+    yield model
+    model.close()
 
 
 @pytest.fixture(scope="module")

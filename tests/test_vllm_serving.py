@@ -20,10 +20,8 @@ MAX_LEN = 128
 
 @pytest.fixture(scope="module")
 def model(tiny_path):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=MAX_LEN) as loaded:
-            yield loaded
+    with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=MAX_LEN) as loaded:
+        yield loaded
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +190,8 @@ def test_generation_that_runs_into_max_model_len_stops_there(model, reference):
 def test_a_checkpoint_vllm_would_run_differently_is_refused(tiny_path, model, reference):
     # The shared tiny Qwen2 has head_dim 64 with hidden 128 / 4 heads; vLLM 0.32's Qwen2 ignores
     # head_dim and would compute a different model.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        with pytest.raises(ValueError, match="heads of size 32"):
-            load_model(str(tiny_path("qwen2")), backend="vllm", max_model_len=64)
+    with pytest.raises(ValueError, match="heads of size 32"):
+        load_model(str(tiny_path("qwen2")), backend="vllm", max_model_len=64)
     # That second engine in this process started and was shut down; this one still serves.
     assert_serves(model, reference)
 

@@ -33,25 +33,18 @@ def path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def env():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
 def children_before():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 @pytest.fixture(scope="module")
-def tp2(path, env, children_before):
+def tp2(path, children_before):
     with load_model(path, backend="vllm", max_model_len=128, tensor_parallel_size=2) as model:
         yield model
 
 
 @pytest.fixture(scope="module")
-def tp1(path, env):
+def tp1(path):
     with load_model(path, backend="vllm", max_model_len=128) as model:
         yield model
 

@@ -14,7 +14,7 @@ import torch
 VOCAB = 320  # 256 bytes + specials, rounded up
 BOS, EOS = 256, 257
 
-_COMMON = dict(
+COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=128,
     intermediate_size=256,
@@ -35,12 +35,12 @@ def configs() -> dict:
     import transformers as t
 
     return {
-        "llama": t.LlamaConfig(**_COMMON),
-        "mistral": t.MistralConfig(**_COMMON, sliding_window=None),
-        "qwen2": t.Qwen2Config(**_COMMON),
-        "qwen3": t.Qwen3Config(**_COMMON),
+        "llama": t.LlamaConfig(**COMMON),
+        "mistral": t.MistralConfig(**COMMON, sliding_window=None),
+        "qwen2": t.Qwen2Config(**COMMON),
+        "qwen3": t.Qwen3Config(**COMMON),
         "gemma2": t.Gemma2Config(
-            **{**_COMMON, "tie_word_embeddings": True},
+            **{**COMMON, "tie_word_embeddings": True},
             query_pre_attn_scalar=64,
             sliding_window=8,
             final_logit_softcapping=30.0,

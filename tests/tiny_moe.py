@@ -10,19 +10,8 @@ from pathlib import Path
 
 from . import tiny
 
-_BASE = dict(
-    vocab_size=tiny.VOCAB,
-    hidden_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=256,
-    bos_token_id=tiny.BOS,
-    eos_token_id=tiny.EOS,
-    pad_token_id=None,
-    tie_word_embeddings=False,
-)
+#: the dense tiny models' settings; each MoE family names its own MLP sizes
+_BASE = {k: v for k, v in tiny.COMMON.items() if k != "intermediate_size"}
 
 
 def configs() -> dict:

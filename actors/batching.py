@@ -7,6 +7,7 @@ every activation zero at padded positions, exactly what a batched local model re
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +15,14 @@ from interp_engine.address import Address
 from interp_engine.cache import Cache
 from interp_engine.model import CaptureModel
 from interp_engine.tokens import PAD_ID
+
+
+def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``min(parts, rows)`` contiguous, near-equal row chunks: how a batched
+    backend's padded batch is cut over ``parts`` replicas."""
+    n = min(parts, rows)
+    bounds = np.linspace(0, rows, n + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def position_dims(address: Address) -> tuple[int, ...]:

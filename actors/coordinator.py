@@ -22,7 +22,7 @@ import torch
 from interp_engine.address import parse_address
 from interp_engine.dataset_shard import ShardSpec, ShardStats
 
-from .batching import join_rows
+from .batching import chunk_bounds, join_rows
 from .scheduler import ReplicaDied, Scheduler, Shard
 from .wire import Captured, Generated, pack_dict
 
@@ -72,9 +72,8 @@ class CoordinatorCore:
         if not self.batched:
             rows = [row[row >= 0][None] for row in tokens]
             return [Shard(i, (row, points)) for i, row in enumerate(rows)]
-        n = min(len(self.replicas), tokens.shape[0])
-        bounds = np.linspace(0, tokens.shape[0], n + 1).astype(int)
-        return [Shard(i, (tokens[a:b], points)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
+        return [Shard(i, (tokens[a:b], points)) for i, (a, b) in enumerate(bounds)]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict) -> Generated:
         scheduler = self._scheduler()

@@ -5,9 +5,9 @@ A YAML or JSON file such as::
     model: HuggingFaceTB/SmolLM2-135M-Instruct
     backend: eager
     replicas: 2
-    prompts: prompts.jsonl          # or a list of strings
+    prompts: prompts.jsonl          # or a list of strings; a relative path is read beside this file
     points: [resid_post.10, mlp_out.10]
-    output: /data/acts/smollm2-l10
+    output: /data/acts/smollm2-l10  # relative: to the working directory; on a cluster, shared storage
     layout: token                   # or sequence
     storage_dtype: bfloat16
 
@@ -97,6 +97,8 @@ def load_config(source: str | Path | dict) -> BuildConfig:
             data = yaml.safe_load(text)
         if not isinstance(data, dict):
             raise ConfigError(f"{label}: expected a mapping of fields (model:, points:, ...), got {type(data).__name__}")
+        if isinstance(data.get("prompts"), str) and not Path(data["prompts"]).expanduser().is_absolute():
+            data["prompts"] = str(path.parent / data["prompts"])  # read beside the config, wherever it runs
         source = data
     try:
         return BuildConfig.model_validate(source)

@@ -40,3 +40,12 @@ def eager_models(tiny_path):
         return loaded[family]
 
     return get
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The docs snippet runner's tally (tests/test_docs.py), when it was collected."""
+    import sys
+
+    docs = sys.modules.get(f"{__package__}.test_docs")
+    if docs is not None:
+        terminalreporter.write_line(docs.summary())

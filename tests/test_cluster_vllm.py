@@ -1,6 +1,8 @@
 """A vLLM-backed cluster model against the local vLLM model: a padded batch is split per prompt,
-each prompt runs at its true length on a replica, and the rows come back padded — the same
-tensors the local engine gives prompt by prompt."""
+each prompt runs at its true length on a replica, and the rows come back padded — the values the
+local engine gives prompt by prompt. The replica's engine may batch prompts together that the
+local one ran alone (continuous batching), a different computation: equal within the equality
+contract's same-backend tolerance, not bit for bit (docs/CLUSTER.md, "Equality")."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import pytest
 import torch
 
 from interp_engine import capture_generation, load_model, run_with_cache
+
+from .oracles import REL_SAME, assert_near
 
 pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
@@ -39,7 +43,7 @@ def test_vllm_cluster_takes_a_padded_batch(models):
         n = int((tokens[row] >= 0).sum())
         want = run_with_cache(local, tokens[row : row + 1, :n], POINTS)
         for address, tensor in want.items():
-            assert torch.equal(got[address][row : row + 1, :n], tensor), (row, address)
+            assert_near(got[address][row : row + 1, :n], tensor, f"row {row} {address}", REL_SAME)
             assert not got[address][row, n:].any(), "padded positions must be zero"
 
 
@@ -50,7 +54,7 @@ def test_vllm_cluster_generation_and_async_equal_local(models):
     c2, cache2 = capture_generation(cluster, tokens, ["resid_post.2"], max_tokens=6)
     assert c1.token_ids == c2.token_ids and c1.text == c2.text
     assert torch.equal(cache1.tokens, cache2.tokens)
-    assert torch.equal(cache1["resid_post.2"], cache2["resid_post.2"])
+    assert_near(cache2["resid_post.2"], cache1["resid_post.2"], "generation", REL_SAME)
 
     prompts = [local.to_tokens(t) for t in ("a", "bb cc", "ddd eee fff")]
 
@@ -58,7 +62,9 @@ def test_vllm_cluster_generation_and_async_equal_local(models):
         return await asyncio.gather(*(model.capture(p, ["resid_post.0"]) for p in prompts))
 
     for want, got in zip(asyncio.run(gather(local)), asyncio.run(gather(cluster))):
-        assert list(got) == list(want) and all(torch.equal(got[a], want[a]) for a in want)
+        assert list(got) == list(want)
+        for address in want:
+            assert_near(got[address], want[address], f"async {address}", REL_SAME)
 
 
 def test_a_replica_error_names_its_replica_and_shard(models):
@@ -81,4 +87,8 @@ def test_vllm_cluster_dataset_equals_local_vllm_dataset(models, tmp_path):
     a = build_dataset(local, prompts, ["resid_post.1"], tmp_path / "local", shard_size=3, progress=False)
     b = build_dataset(cluster, prompts, ["resid_post.1"], tmp_path / "cluster", shard_size=3, progress=False)
     assert a.rows == b.rows == 7 and a.manifest["identity"] == b.manifest["identity"]
-    assert a.to_arrow().equals(b.to_arrow())
+    from interp_engine.dataset_shard import read_tensor
+
+    ta, tb = a.to_arrow(), b.to_arrow()
+    assert ta.column("prompt_index").equals(tb.column("prompt_index")) and ta.schema.equals(tb.schema)
+    assert_near(read_tensor(tb, "resid_post.1"), read_tensor(ta, "resid_post.1"), "dataset", REL_SAME)

@@ -74,7 +74,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert all(0 < p <= 1 for row in record["top_probs"] for p in row)
 
     # The cluster part: the same capture through 2 replicas, and a Parquet dataset on disk.
-    for check in ("cluster capture == local capture", "dataset rows (one per token) == tokens of the prompts"):
+    for check in ("cluster capture == local capture on the same rows", "cluster capture == local batch (relative",
+                  "dataset rows (one per token) == tokens of the prompts"):
         line = next((ln for ln in printed.splitlines() if check in ln), None)
         assert line is not None and line.rstrip().endswith("ok"), f"{check!r} not printed as ok:\n{printed}"
     import pyarrow.parquet as pq

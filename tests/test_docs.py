@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,12 +68,21 @@ def environ(checkout):
 
 
 def _run(command: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """Run ``command`` in its own process group; one that outlives ``TIMEOUT`` is a documented
+    flow that hangs: the whole group (Ray daemons it started included) is killed and the test fails."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as err:
+        out, err = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
         pytest.fail(f"{command[:2]} did not finish within {TIMEOUT} s (a documented flow that hangs):\n"
-                    f"{(err.stdout or b'')[-3000:]!r}\n{(err.stderr or b'')[-3000:]!r}")
+                    f"{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def _standins(code: str, tiny_path) -> str:

@@ -45,7 +45,7 @@ class Tokenizer:
             return pad_batch([self.encode(text)])
         if isinstance(text, (list, tuple)):
             if not text:
-                raise InputError("to_tokens got an empty list of prompts")
+                raise InputError("to_tokens got an empty list of prompts; pass a string or a list of at least one string")
             for i, t in enumerate(text):
                 if not isinstance(t, str):
                     raise InputError(f"to_tokens takes a string or a list of strings; item {i} is "
@@ -111,7 +111,7 @@ def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False, why:
         raise InputError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
     tokens = tokens.long().cpu()
     if tokens.shape[0] == 0:
-        raise InputError("the token batch is empty (batch size 0)")
+        raise InputError("the token batch is empty (batch size 0); pass at least one prompt, e.g. model.to_tokens('text')")
     if single and tokens.shape[0] != 1:
         raise InputError(why or f"one prompt per call, got a batch of {tokens.shape[0]}; pass tokens[i:i+1]")
     if (tokens < PAD_ID).any():

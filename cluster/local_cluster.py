@@ -6,14 +6,17 @@
     ray job submit --working-dir . -- python jobs/build_dataset.py config.yaml
     python cluster/local_cluster.py stop
 
-The dashboard and job server listen on 127.0.0.1 only. (Ray's own gRPC ports follow the node
-address, which Ray on Linux resolves from 127.0.0.1 to the machine's IP; those are guarded by the
-token like everything else.) A fresh random token is
-written to ``STATE/auth_token`` (mode 0600) and every node runs with ``RAY_AUTH_MODE=token``
-reading it, so a request without the token gets 401. Each node is one ``ray start --block``
-process in its own process group; ``stop`` ends exactly those groups (never ``ray stop``, which
-would end every Ray on the machine). ``--gpus-per-worker`` declares (fake, on a CPU machine)
-GPUs, which is how the tests place GPU replicas without a GPU.
+Every port the cluster opens listens on 127.0.0.1 only (docs/CLUSTER.md lists them). Ray binds a
+node's servers to loopback exactly when the node's address is loopback, but ``ray start`` turns
+``--node-ip-address 127.0.0.1`` into the machine's IP unless Ray's local-only switch
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set; so every node and every client of the cluster
+(``env``) runs with it. With that switch ``ray start`` refuses to add worker nodes, so worker
+nodes are started by :func:`run_node` (``ray start`` with that one refusal lifted). A fresh random
+token is written to ``STATE/auth_token`` (mode 0600) and every node runs with
+``RAY_AUTH_MODE=token`` reading it, so a request without the token gets 401. Each node is one
+``ray start --block`` process in its own process group; ``stop`` ends exactly those groups (never
+``ray stop``, which would end every Ray on the machine). ``--gpus-per-worker`` declares (fake, on a
+CPU machine) GPUs, which is how the tests place GPU replicas without a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 
 DEFAULT_STATE = Path(os.environ.get("INTERP_ENGINE_CLUSTER_STATE", Path.home() / ".cache" / "interp_engine" / "cluster"))
 HOST = "127.0.0.1"
+#: Ray's local-only switch: with it, 127.0.0.1 stays the node address, so every server binds loopback
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def free_port() -> int:
@@ -47,7 +52,7 @@ def env(state: Path) -> dict[str, str]:
     info = json.loads((state / "cluster.json").read_text())
     return {"RAY_ADDRESS": f"{HOST}:{info['port']}",
             "RAY_API_SERVER_ADDRESS": f"http://{HOST}:{info['dashboard_port']}",
-            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state / "auth_token")}
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state / "auth_token"), **LOOPBACK_ENV}
 
 
 def _num(value: float) -> str:
@@ -58,16 +63,40 @@ def _ray() -> str:
     return shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
 
 
-def _spawn(args: list[str], log: Path, environ: dict) -> int:
+def _spawn(args: list[str], log: Path, environ: dict, *, worker: bool = False) -> int:
+    command = [sys.executable, str(Path(__file__).resolve()), "node"] if worker else [_ray()]
     with open(log, "ab") as out:
-        proc = subprocess.Popen([_ray(), "start", *args, "--block", "--disable-usage-stats"], stdout=out,
+        proc = subprocess.Popen([*command, "start", *args, "--block", "--disable-usage-stats"], stdout=out,
                                 stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     return proc.pid
 
 
+def run_node(argv: list[str]) -> int:
+    """``ray ARGV`` (``start --address ...``) for a worker node of a loopback cluster.
+
+    Written against ray 2.60. This process runs with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` like
+    every node, which keeps 127.0.0.1 as the node address; but ``ray start`` reads that switch a
+    second time to refuse worker nodes ("not supported on Windows and OSX"). Here, and only in this
+    process, the switch is turned back on and the address lookup it guards answers loopback, which
+    is what the switch would have answered. The node's own processes keep the switch off.
+    """
+    from ray._private import ray_constants, services
+    from ray.scripts.scripts import main as ray_main
+
+    ray_constants.ENABLE_RAY_CLUSTER = True
+    services.node_ip_address_from_perspective = lambda address=None: HOST
+    sys.argv = ["ray", *argv]
+    return ray_main()
+
+
 def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1, cpus_per_worker: float = 1,
-          gpus_per_worker: float = 0, timeout: float = 90, dashboard_port: int | None = None) -> dict[str, str]:
-    """Start a head and ``workers`` worker nodes; return the client environment (see :func:`env`)."""
+          gpus_per_worker: float = 0, timeout: float = 90, dashboard_port: int | None = None,
+          client_server_port: int | None = None) -> dict[str, str]:
+    """Start a head and ``workers`` worker nodes; return the client environment (see :func:`env`).
+
+    ``client_server_port`` places the Ray client server (``ray://``) there; by default it gets a
+    free port (``ray start`` cannot leave it out). Like every port here it listens on 127.0.0.1.
+    """
     state = Path(state)
     if (state / "cluster.json").exists():
         raise SystemExit(f"a cluster is already recorded in {state}; run `stop` first (or pass another --state)")
@@ -79,8 +108,11 @@ def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1
     token.chmod(0o600)
     # Jobs run `python ...` with the nodes' PATH: put this interpreter's environment first.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    environ = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": path}
+    environ = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": path,
+               **LOOPBACK_ENV}
     environ.pop("RAY_ADDRESS", None)
+    # The head's two metrics servers have fixed default ports; free ones let clusters coexist.
+    head_environ = {**environ, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
     port, dash = free_port(), dashboard_port or free_port()
     common = ["--node-ip-address", HOST, "--min-worker-port", "0", "--max-worker-port", "0"]
 
@@ -94,8 +126,9 @@ def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1
 
     pids = [_spawn(["--head", "--port", str(port), "--temp-dir", str(temp / "head"),
                     "--dashboard-host", HOST, "--dashboard-port", str(dash),
-                    "--ray-client-server-port", str(free_port()), "--num-cpus", _num(head_cpus), "--num-gpus", "0",
-                    *common, *node_ports()], state / "head.log", environ)]
+                    "--ray-client-server-port", str(client_server_port or free_port()),
+                    "--num-cpus", _num(head_cpus), "--num-gpus", "0",
+                    *common, *node_ports()], state / "head.log", head_environ)]
     info = {"port": port, "dashboard_port": dash, "pids": pids, "workers": workers, "temp": str(temp)}
     (state / "cluster.json").write_text(json.dumps(info))
     _wait_for_port(port, timeout, state / "head.log")
@@ -104,7 +137,7 @@ def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1
         pids.append(_spawn(["--address", f"{HOST}:{port}", "--num-cpus", _num(cpus_per_worker),
                             "--num-gpus", _num(gpus_per_worker), "--resources", json.dumps({f"worker_{i}": 1}),
                             "--temp-dir", str(temp / f"w{i}"),
-                            *common, *node_ports()], state / f"worker-{i}.log", environ))
+                            *common, *node_ports()], state / f"worker-{i}.log", environ, worker=True))
         (state / "cluster.json").write_text(json.dumps(info))
         _wait_for_log(state / f"worker-{i}.log", timeout)
     _wait_for_nodes(state, 1 + workers, timeout)
@@ -181,6 +214,9 @@ def _group_alive(pgid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["node"]:  # internal: how start() runs a worker node
+        return run_node(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["start", "stop", "env"])
     parser.add_argument("--state", type=Path, default=DEFAULT_STATE, help="where the token, pids and logs live")
@@ -189,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-worker", type=float, default=1)
     parser.add_argument("--gpus-per-worker", type=float, default=0)
     parser.add_argument("--dashboard-port", type=int, default=None)
+    parser.add_argument("--client-server-port", type=int, default=None,
+                        help="port of the Ray client server (ray://), on 127.0.0.1; default: a free one")
     args = parser.parse_args(argv)
     if args.command == "start":
         variables = start(args.state, workers=args.workers, head_cpus=args.head_cpus,
                           cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
-                          dashboard_port=args.dashboard_port)
+                          dashboard_port=args.dashboard_port, client_server_port=args.client_server_port)
         print(f"cluster up: head + {args.workers} workers on {HOST}; token in {args.state / 'auth_token'}")
     elif args.command == "stop":
         print("stopped" if stop(args.state) else f"no cluster recorded in {args.state}")

@@ -21,6 +21,7 @@ from .dataset_manifest import DatasetExistsError as DatasetExistsError
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens
+from .backends.vllm_engine import EngineMemoryError as EngineMemoryError
 from .loading import ModelNotFound as ModelNotFound
 from .loading import load_model as load_model
 from .model import CaptureModel as CaptureModel

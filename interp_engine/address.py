@@ -250,6 +250,11 @@ def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] 
     """
     if isinstance(points, (str, Address)):
         points = [points]
+    if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
+        raise AddressError(
+            f"points must be a list of addresses, e.g. ['resid_post.0'] or [Address('resid_post', 0)], "
+            f"got {type(points).__name__} ({points!r:.40})"
+        )
     points = list(points)
     if not points:
         raise AddressError("no points to capture: pass e.g. ['resid_post.0'] or [Address('resid_post', 0)]")

@@ -189,6 +189,7 @@ class ClusterModel(CaptureModel):
     """A :class:`CaptureModel` served by replicas on a Ray cluster (see the module docstring)."""
 
     batched = True
+    batch_hint = "For a batch, run_with_cache(model, tokens, points) takes it whole and splits it over the replicas."
 
     def __init__(self, facts, handles, coordinator, placement):
         first = facts[0]
@@ -276,6 +277,18 @@ class ClusterModel(CaptureModel):
         except ray.exceptions.RayTaskError as err:
             raise (err.cause if isinstance(err.cause, BaseException) else err) from None
         return unpack_dict(result.tensors)
+
+    async def _generate_async(self, tokens, addresses, options):
+        import ray
+
+        from .actors.wire import unpack_dict
+
+        ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options))
+        try:
+            generated = await ref
+        except ray.exceptions.RayTaskError as err:
+            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+        return self._completion(generated, unpack_dict)
 
     def write_shards(self, spec, source, skip):
         """Have the replicas write the dataset shards not in ``skip``; yield their stats as they land."""

@@ -8,7 +8,11 @@ and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import difflib
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -39,14 +43,57 @@ class Sampling:
     stop_at_eos: bool = True
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0 (0 means no top-k), got {self.top_k}")
+        # Each check names the option, the value and the valid range; values are normalised to
+        # plain Python numbers so that every backend (and the wire to a cluster) sees the same.
+        self._set("max_tokens", _integer(self.max_tokens, "max_tokens", "a positive int", low=1))
+        self._set("temperature", _real(self.temperature, "temperature", "a finite number >= 0 (0 is greedy)",
+                                       ok=lambda t: t >= 0))
+        self._set("top_p", _real(self.top_p, "top_p", "a number in (0, 1] (1 keeps every token)",
+                                 ok=lambda p: 0 < p <= 1))
+        self._set("top_k", _integer(self.top_k, "top_k", "an int >= 0 (0 means no top-k)", low=0))
+        if self.seed is not None:
+            self._set("seed", _integer(self.seed, "seed", "None or an int in [0, 2**63)", low=0, high=2**63 - 1))
+        if not isinstance(self.stop_at_eos, bool):
+            raise InputError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
+
+    def _set(self, field: str, value) -> None:
+        object.__setattr__(self, field, value)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "Sampling":
+        """``Sampling(**options)``, where an unknown keyword is an :class:`InputError` that names
+        the valid ones (and the closest, for a typo such as ``temprature=``)."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise InputError(f"unknown generation option {key!r}{hint}; the options are {', '.join(valid)}")
+        return cls(**options)
+
+    def check_length(self, prompt: int, limit: int, what: str) -> None:
+        """Refuse a generation that could run past ``limit`` positions (``what`` names the limit):
+        a prompt of ``prompt`` tokens plus ``max_tokens`` must fit, as vLLM counts it."""
+        if prompt + self.max_tokens <= limit:
+            return
+        fix = (f"use max_tokens <= {limit - prompt} or a shorter prompt" if prompt < limit
+               else f"shorten the prompt below {limit} tokens")
+        raise InputError(
+            f"a prompt of {prompt} tokens plus max_tokens={self.max_tokens} needs {prompt + self.max_tokens} "
+            f"positions, more than {what}; {fix}"
+        )
+
+
+def _integer(value, name: str, valid: str, *, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high and value > high):
+        raise InputError(f"{name} must be {valid}, got {value!r}")
+    return int(value)
+
+
+def _real(value, name: str, valid: str, *, ok) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise InputError(f"{name} must be {valid}, got {value!r}")
+    return float(value)
 
 
 class CaptureModel:
@@ -63,6 +110,8 @@ class CaptureModel:
     unserved: frozenset[str] = frozenset()
     #: whether a call may carry a batch of several prompts
     batched: bool = True
+    #: where to send a batch that a one-prompt call refused
+    batch_hint: str = "For a padded batch, run_with_cache(model, tokens, points) takes it whole."
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -98,12 +147,37 @@ class CaptureModel:
         raise NotImplementedError(f"the {self.backend} backend does not expose weights")
 
     # -- validation shared by all backends ------------------------------------------------------
-    def check(self, tokens, points, *, single: bool | None = None) -> tuple[torch.Tensor, list[Address]]:
-        tokens = check_tokens(
-            tokens, self.info.d_vocab, self.info.n_ctx, single=(not self.batched) if single is None else single
-        )
+    def check(self, tokens, points, *, single: bool | None = None,
+              call: str = "run_with_cache") -> tuple[torch.Tensor, list[Address]]:
+        single = (not self.batched) if single is None else single
+        tokens = check_tokens(tokens, self.info.d_vocab, self.info.n_ctx, single=single,
+                              why=self._one_prompt(call, tokens) if single else "")
         addresses = check_points(points, self.info, self.backend, self.unserved)
         return tokens, addresses
+
+    def position_limit(self) -> tuple[int, str]:
+        """How many positions a sequence (prompt + generated) may fill, and how to name that limit."""
+        return self.info.n_ctx, f"the model's {self.info.n_ctx} positions"
+
+    def _check_generation(self, tokens, points, options: Sampling, call: str):
+        tokens, addresses = self.check(tokens, points, single=True, call=call)
+        options.check_length(tokens.shape[1], *self.position_limit())
+        return tokens, addresses
+
+    def _one_prompt(self, call: str, tokens) -> str:
+        """The message for a batch given to ``call`` where one prompt is expected."""
+        n = tokens.shape[0] if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 else "several"
+        if call == "run_with_cache":  # only a backend that takes one prompt per call gets here (vLLM)
+            return (
+                f"the {self.backend} backend takes one prompt per call, got a batch of {n}: it runs each prompt at "
+                f"its true length. Call once per prompt (tokens[i:i+1]), or await model.capture(...) for many "
+                f"prompts at once. {self.batch_hint}"
+            )
+        return (
+            f"{call} takes one prompt per call, got a batch of {n}: pass one row (tokens[i:i+1]) per call; to run "
+            f"many at once, gather several awaits (asyncio.gather(*(model.capture(row, points) for row in rows)), "
+            f"or model.capture_generation_async). {self.batch_hint}"
+        )
 
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True) -> Cache:
@@ -111,9 +185,17 @@ class CaptureModel:
         return self._run(tokens, addresses, detach=detach)
 
     def capture_generation(self, tokens, points, *, max_tokens: int = 16, **sampling) -> tuple[Completion, Cache]:
-        options = Sampling(max_tokens=max_tokens, **sampling)
-        tokens, addresses = self.check(tokens, points, single=True)
+        options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
+        tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
         return self._generate(tokens, addresses, options)
+
+    async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16,
+                                       **sampling) -> tuple[Completion, Cache]:
+        """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
+        Many may be in flight at once (they share the vLLM engine's batching)."""
+        options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
+        tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
+        return await self._generate_async(tokens, addresses, options)
 
     async def capture(self, tokens, points, **sampling) -> dict[Address, torch.Tensor]:
         """Async capture of one prompt: a plain dict keyed by Address (a string is a KeyError).
@@ -121,8 +203,11 @@ class CaptureModel:
         Many calls may be in flight at once; each gets exactly its own rows. With
         ``max_tokens=N`` it also generates and captures the generated positions.
         """
-        options = Sampling(**sampling) if sampling else None
-        tokens, addresses = self.check(tokens, points, single=True)
+        options = Sampling.from_options(sampling) if sampling else None
+        if options is None:
+            tokens, addresses = self.check(tokens, points, single=True, call="await model.capture(...)")
+        else:
+            tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
         return await self._capture(tokens, addresses, options)
 
     def close(self) -> None:
@@ -143,6 +228,9 @@ class CaptureModel:
 
     async def _capture(self, tokens, addresses, options: Sampling | None) -> dict[Address, torch.Tensor]:
         raise NotImplementedError
+
+    async def _generate_async(self, tokens, addresses, options: Sampling) -> tuple[Completion, Cache]:
+        return await asyncio.to_thread(self._generate, tokens, addresses, options)
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True) -> Cache:

@@ -43,13 +43,21 @@ class Tokenizer:
         """``str`` -> ``[1, pos]``; ``list[str]`` -> right-padded ``[batch, pos]`` (pad = -1)."""
         if isinstance(text, str):
             return pad_batch([self.encode(text)])
-        if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+        if isinstance(text, (list, tuple)):
             if not text:
-                raise InputError("to_tokens got an empty list of prompts")
-            return pad_batch([self.encode(t) for t in text])
+                raise InputError("to_tokens got an empty list of prompts; pass a string or a list of at least one string")
+            for i, t in enumerate(text):
+                if not isinstance(t, str):
+                    raise InputError(f"to_tokens takes a string or a list of strings; item {i} is "
+                                     f"{type(t).__name__} ({t!r:.40})")
+            return pad_batch([self.encode(t, where=f"prompt {i}") for i, t in enumerate(text)])
         raise InputError(f"to_tokens takes a string or a list of strings, got {type(text).__name__}")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, where: str = "the prompt") -> list[int]:
+        """Token ids of one prompt (special tokens added as the tokenizer does)."""
+        if not isinstance(text, str):
+            raise InputError(f"{where} must be a string, got {type(text).__name__} ({text!r:.40})")
+        check_text(text, where)
         return list(self.hf(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, ids) -> str:
@@ -65,18 +73,36 @@ class Tokenizer:
         return self.hf.eos_token_id
 
 
-def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False) -> torch.Tensor:
+def check_text(text: str, where: str = "the prompt") -> None:
+    """Refuse a string that is not text: one holding lone surrogates (what decoding bytes with
+    ``errors="surrogateescape"`` leaves), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"{where} holds {text[err.start:err.end]!r} at character {err.start}, a lone surrogate: not valid "
+            f"Unicode, so it cannot be tokenized. Remove it, or decode the source bytes with errors='replace'"
+        ) from None
+
+
+def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False, why: str = "") -> torch.Tensor:
     """Validate a token batch and return it as a ``[batch, pos]`` long tensor.
 
-    Raises :class:`InputError` naming the problem: wrong dtype or shape, ids out of the
-    vocabulary, an empty prompt, a prompt longer than the model's positions, or (with
-    ``single``) more than one prompt.
+    Raises :class:`InputError` naming the problem: not a dense tensor with values, wrong dtype or
+    shape, ids out of the vocabulary, an empty prompt, a prompt longer than the model's positions,
+    or (with ``single``) more than one prompt (``why`` is then the message).
     """
     if not isinstance(tokens, torch.Tensor):
         raise InputError(
             f"tokens must be a torch tensor of token ids, got {type(tokens).__name__}; "
             f"use model.to_tokens('text') or model.tok.to_tokens([...])"
         )
+    if tokens.is_nested or tokens.layout != torch.strided:
+        raise InputError(f"tokens must be a dense [batch, pos] tensor, got a {'nested' if tokens.is_nested else tokens.layout} "
+                         f"one; use model.tok.to_tokens([...]) for a padded batch")
+    if tokens.device.type == "meta":
+        raise InputError("tokens are on the meta device, which holds shapes but no values; pass real ids "
+                         "(model.to_tokens('text')), on the CPU or the model's device")
     if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise InputError(f"tokens must hold integer ids, got dtype {tokens.dtype}; use model.to_tokens('text')")
     if tokens.dim() == 1:
@@ -85,13 +111,9 @@ def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False) -> t
         raise InputError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
     tokens = tokens.long().cpu()
     if tokens.shape[0] == 0:
-        raise InputError("the token batch is empty (batch size 0)")
+        raise InputError("the token batch is empty (batch size 0); pass at least one prompt, e.g. model.to_tokens('text')")
     if single and tokens.shape[0] != 1:
-        raise InputError(
-            f"this backend takes one prompt per call, got a batch of {tokens.shape[0]}: vLLM runs each "
-            f"prompt at its true length. Call once per prompt, await model.capture(...) for many prompts "
-            f"at once, or use a cluster model (load_model(..., replicas=N)), which splits batches for you."
-        )
+        raise InputError(why or f"one prompt per call, got a batch of {tokens.shape[0]}; pass tokens[i:i+1]")
     if (tokens < PAD_ID).any():
         raise InputError(f"negative token id {int(tokens.min())}: only {PAD_ID} (padding) may be negative")
     if (tokens >= d_vocab).any():

@@ -99,6 +99,40 @@ def test_dashboard_is_on_loopback_and_needs_the_token(script_cluster):
             assert s.connect_ex((ip, port)) != 0, "the dashboard must not listen beyond loopback"
 
 
+#: non-loopback listeners docs/CLUSTER.md documents as unavoidable (process name -> why): none
+BEYOND_LOOPBACK: dict[str, str] = {}
+
+
+def _cluster_pids(state: Path) -> set[int]:
+    import psutil
+
+    pids = set()
+    for pid in json.loads((state / "cluster.json").read_text())["pids"]:
+        node = psutil.Process(pid)
+        pids |= {node.pid, *(child.pid for child in node.children(recursive=True))}
+    return pids
+
+
+def test_every_port_the_cluster_opens_is_on_loopback(script_cluster):
+    import ipaddress
+
+    import psutil
+
+    state, variables = script_cluster
+    pids = _cluster_pids(state)
+    listening = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name())
+                 for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    exposed = [(ip, port, name) for ip, port, name in listening
+               if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback and name not in BEYOND_LOOPBACK]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    # the listing saw the cluster: GCS, dashboard/job server, and a raylet on each of the 3 nodes
+    info = json.loads((state / "cluster.json").read_text())
+    ports = {port for _, port, _ in listening}
+    assert {info["port"], info["dashboard_port"]} <= ports
+    assert sum(name == "raylet" for _, _, name in listening) >= 2 * 3  # node manager + object manager
+    assert len(listening) >= 20, listening
+
+
 def test_job_submit_with_token_builds_the_dataset(script_cluster, tiny_path, tmp_path):
     state, variables = script_cluster
     output = tmp_path / "out"

@@ -178,11 +178,14 @@ def test_options_that_would_skip_positions_are_refused(tiny_path):
         load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128, max_num_batched_tokens=64)
 
 
-def test_generation_that_runs_into_max_model_len_stops_there(model, reference):
+def test_generation_may_fill_max_model_len_but_not_pass_it(model, reference):
     tokens = torch.full((1, MAX_LEN - 4), 66)
     tokens[0, 0] = 256
-    completion, cache = capture_generation(model, tokens, ["resid_post.0"], max_tokens=50)
-    assert len(completion.token_ids) <= 4 and completion.finish_reason == "length"
+    with pytest.raises(InputError, match=f"max_tokens=5 needs {MAX_LEN + 1} positions.*max_model_len={MAX_LEN}.*"
+                                         f"max_tokens <= 4"):
+        capture_generation(model, tokens, ["resid_post.0"], max_tokens=5)
+    completion, cache = capture_generation(model, tokens, ["resid_post.0"], max_tokens=4, stop_at_eos=False)
+    assert len(completion.token_ids) == 4 and completion.finish_reason == "length"
     assert cache["resid_post.0"].shape[1] == tokens.shape[1] + len(completion.token_ids) - 1
     assert_serves(model, reference)
 

@@ -29,7 +29,7 @@ from ..archs.vllm_sites import LOGITS, vllm_sites
 from ..cache import Cache
 from ..model import CaptureModel, Completion, Sampling
 from ..tokens import InputError, Tokenizer
-from .vllm_engine import engine_options, start_engine, stop_engine
+from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
 from .vllm_loop import EngineLoop, Finished, Job, run_on_loop
 
 #: sites read under another name on a single-stream model
@@ -54,6 +54,7 @@ def _sampling_params(options: Sampling | None):
 class VllmModel(CaptureModel):
     backend = "vllm"
     batched = False
+    batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
     def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int):
         self.llm = llm
@@ -101,8 +102,11 @@ class VllmModel(CaptureModel):
         seen in one forward). An idle engine holds no requests and no hooks."""
         return run_on_loop(self._loop, "interp_state")
 
-    def check(self, tokens, points, *, single=None):
-        tokens, addresses = super().check(tokens, points, single=single)
+    def position_limit(self) -> tuple[int, str]:
+        return self.max_model_len, f"this engine's max_model_len={self.max_model_len}"
+
+    def check(self, tokens, points, *, single=None, call="run_with_cache"):
+        tokens, addresses = super().check(tokens, points, single=single, call=call)
         if tokens.shape[1] > self.max_model_len:
             raise InputError(
                 f"prompt of {tokens.shape[1]} tokens is longer than this engine's max_model_len="
@@ -135,6 +139,10 @@ class VllmModel(CaptureModel):
         if options is None:
             return self._tensors(finished, addresses, tokens.shape[1])
         return self._completion(finished, tokens, addresses)[1].to_dict()
+
+    async def _generate_async(self, tokens, addresses, options):
+        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options))
+        return self._completion(finished, tokens, addresses)
 
     def close(self) -> None:
         self._finalizer()
@@ -214,6 +222,7 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
             f"tensor_parallel_size={tensor_parallel_size} must divide the {info.n_heads} attention heads of {name}"
         )
     max_model_len = int(max_model_len or info.n_ctx)
+    options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
     llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -12,6 +12,12 @@ caller who asks otherwise gets an error that says why:
 - no speculative decoding: draft tokens would run positions that are later rejected.
 - ``async_scheduling=False``: the engine never schedules a step past a request's end.
 
+On CPU, vLLM's own default reserves ``gpu_memory_utilization`` (0.92) of the host's RAM and
+refuses to start when other processes use more than the rest. When the caller sets neither
+``VLLM_CPU_KVCACHE_SPACE`` nor ``kv_cache_memory_bytes`` / ``gpu_memory_utilization``, the engine
+reserves a KV cache sized from the model instead (:func:`cpu_kv_cache_bytes`), and a start-up that
+still runs out of memory is an error that names what to set (:class:`EngineMemoryError`).
+
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). With
 ``tensor_parallel_size > 1`` vLLM starts one worker process per rank; on a CPU with one NUMA
 node each rank needs its own cores, so ``VLLM_CPU_OMP_THREADS_BIND`` is set (``"0|1"`` style)
@@ -38,6 +44,56 @@ FIXED_OPTIONS = {
     "async_scheduling": (False, "the engine could run a step past a request's end"),
     "speculative_config": (None, "draft tokens run positions that are later rejected"),
 }
+
+
+GiB = 1 << 30
+#: the CPU KV cache default holds this many sequences of max_model_len tokens ...
+DEFAULT_SEQUENCES = 8
+#: ... within vLLM's own CPU default (VLLM_CPU_KVCACHE_SPACE=4) and a quarter of the free memory
+DEFAULT_CAP = 4 * GiB
+#: a floor, so that many short prompts fit at once on tiny models
+DEFAULT_FLOOR = 64 << 20
+
+
+class EngineMemoryError(MemoryError):
+    """The vLLM engine cannot reserve its memory (the message says what to set)."""
+
+
+def kv_bytes_per_token(info, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of KV cache one token takes on one rank (keys and values of every layer)."""
+    kv_heads = max(1, info.n_kv_heads // tensor_parallel_size)
+    return 2 * info.n_layers * kv_heads * info.d_head * torch.empty((), dtype=dtype).element_size()
+
+
+def cpu_kv_cache_bytes(info, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int = 1,
+                       available: int | None = None) -> int:
+    """The KV cache (bytes per rank) a CPU engine reserves when the caller chose none:
+    ``DEFAULT_SEQUENCES`` full-length sequences, at least ``DEFAULT_FLOOR``, at most
+    ``DEFAULT_CAP`` and a quarter of the memory ``available`` now; never less than one
+    full-length sequence (if that does not fit, :class:`EngineMemoryError`)."""
+    import psutil
+
+    available = psutil.virtual_memory().available if available is None else available
+    one = kv_bytes_per_token(info, dtype, tensor_parallel_size) * max_model_len
+    cap = min(DEFAULT_CAP, available // (4 * tensor_parallel_size))
+    if one > cap:
+        raise EngineMemoryError(
+            f"one sequence of max_model_len={max_model_len} tokens of {info.name} needs {one / GiB:.2f} GiB of KV "
+            f"cache per rank, more than the default allows ({cap / GiB:.2f} GiB: at most 4 GiB and a quarter of the "
+            f"{available / GiB:.1f} GiB free). Lower max_model_len (load_model(..., backend='vllm', max_model_len=N)) "
+            f"or choose the size: VLLM_CPU_KVCACHE_SPACE=<GiB> in the environment, or kv_cache_memory_bytes=<bytes>."
+        )
+    return max(one, min(cap, max(DEFAULT_FLOOR, DEFAULT_SEQUENCES * one)))
+
+
+def memory_defaults(info, dtype: torch.dtype, max_model_len: int, tensor_parallel_size: int, options: dict) -> dict:
+    """``kv_cache_memory_bytes`` for a CPU engine whose caller chose no memory setting, else nothing."""
+    from vllm.platforms import current_platform
+
+    chosen = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(options)
+    if not current_platform.is_cpu() or chosen or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return {}
+    return {"kv_cache_memory_bytes": cpu_kv_cache_bytes(info, dtype, max_model_len, tensor_parallel_size)}
 
 
 def engine_options(path, dtype: torch.dtype, tensor_parallel_size: int, max_model_len: int, options: dict) -> dict:
@@ -127,7 +183,17 @@ def start_engine(options: dict):
     from vllm import LLM
 
     with _environment(options["tensor_parallel_size"]):
-        llm = LLM(**options)
+        try:
+            llm = LLM(**options)
+        except ValueError as err:
+            if "memory" not in str(err).lower():
+                raise
+            raise EngineMemoryError(
+                f"the vLLM engine could not reserve its memory: {err} Choose the KV cache size instead of a "
+                f"fraction of RAM: VLLM_CPU_KVCACHE_SPACE=<GiB> in the environment (CPU), or "
+                f"load_model(..., backend='vllm', kv_cache_memory_bytes=<bytes>); without either (and without "
+                f"gpu_memory_utilization) the CPU backend sizes it from the model."
+            ) from None
     with _LIVE_LOCK:
         _LIVE.add(id(llm))
     return llm

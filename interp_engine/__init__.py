@@ -12,7 +12,12 @@ from .address import ModelInfo as ModelInfo
 from .address import format_address as format_address
 from .address import parse_address as parse_address
 from .address import to_address as to_address
+from .analysis import accumulated_resid as accumulated_resid
+from .analysis import decompose_resid as decompose_resid
+from .analysis import final_scale as final_scale
 from .analysis import head_contributions as head_contributions
+from .analysis import logit_attribution as logit_attribution
+from .analysis import stack as stack
 from .cache import Cache as Cache
 from .cluster import ClusterError as ClusterError
 from .dataset import ActivationDataset as ActivationDataset
@@ -28,6 +33,7 @@ from .model import Completion as Completion
 from .model import capture_generation as capture_generation
 from .model import run_with_cache as run_with_cache
 from .moe import RoutingError as RoutingError
+from .positions import Selection as Selection
 from .moe import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID
 from .tokens import InputError as InputError

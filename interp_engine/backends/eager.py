@@ -68,6 +68,19 @@ class EagerModel(CaptureModel):
         cap = getattr(self.hf.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    def unembed_weight(self) -> torch.Tensor:
+        """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction."""
+        return self.hf.get_submodule(self.arch.unembed).weight
+
+    def unembed_weights(self):
+        """The final norm's and the unembedding's weights as plain tensors (what a replica sends)."""
+        from ..unembedding import UnembedWeights
+
+        norm = self.hf.get_submodule(self.arch.final_norm)
+        return UnembedWeights(self.hf.config.to_dict(), self.arch.final_norm,
+                              {k: v.detach().cpu() for k, v in norm.state_dict().items()},
+                              self.unembed_weight().detach().cpu())
+
     def _grad_context(self, detach: bool):
         if detach:
             return torch.no_grad()

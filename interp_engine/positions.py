@@ -83,8 +83,10 @@ def check_spec(positions):
     raise InputError(f"positions={positions!r} ({type(positions).__name__}) is not understood; positions may be {_FORMS}")
 
 
-def resolve_row(spec, length: int, row: int = 0) -> tuple[int, ...]:
-    """The prompt positions ``spec`` keeps in a row of ``length`` real tokens, sorted, once each."""
+def resolve_row(spec, length: int, row: int | str = 0) -> tuple[int, ...]:
+    """The prompt positions ``spec`` keeps in a row of ``length`` real tokens, sorted, once each
+    (``row``: the row's index, or how an error names it)."""
+    where = f"batch row {row}" if isinstance(row, int) else row
     if spec is None or spec == "prompt":
         return tuple(range(length))
     if spec == "generated":
@@ -96,7 +98,7 @@ def resolve_row(spec, length: int, row: int = 0) -> tuple[int, ...]:
     for p in wanted:
         if not -length <= p < length:
             raise InputError(
-                f"positions={spec!r}: position {p} is out of range for batch row {row}, which has {length} "
+                f"positions={spec!r}: position {p} is out of range for {where}, which has {length} "
                 f"tokens (valid: {-length}..{length - 1}; negative counts from the end of each prompt)"
             )
         out.append(p % length)
@@ -124,6 +126,13 @@ def resolve(spec, lengths: list[int], *, generating: bool = False, max_tokens: i
             raise InputError(f"positions={spec!r} selects no position of batch row {row} ({lengths[row]} tokens); "
                              f"positions may be {_FORMS}")
     return Selection(rows, after, spec)
+
+
+def check_prompt(spec, length: int, where: str) -> None:
+    """Raise unless ``spec`` keeps some position of a prompt of ``length`` tokens."""
+    if spec is not None and spec != "generated" and not resolve_row(spec, length, where):
+        raise InputError(f"positions={spec!r} selects no position of {where} ({length} tokens); "
+                         f"positions may be {_FORMS}")
 
 
 def spec_to_json(spec):

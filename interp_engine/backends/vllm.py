@@ -102,7 +102,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _fetch_unembedding(self) -> UnembedWeights:
         """The final norm (identical on every rank) and the unembedding, its vocabulary shards
         joined in rank order with vLLM's vocabulary padding cut off."""
-        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, self.arch.unembed)
+        heads = [self.arch.unembed, "model.embed_tokens"]
+        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
         weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
         return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)
 

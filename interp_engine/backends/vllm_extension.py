@@ -74,12 +74,22 @@ class CaptureExtension:
             identity = torch.eye(width, dtype=linear.params_dtype)
             return linear.quant_method.apply(linear, identity, bias=None).t().contiguous()
 
-    def interp_unembedding(self, norm_path: str, head_path: str) -> dict:
+    def interp_unembedding(self, norm_path: str, head_paths: list[str]) -> dict:
         """The final norm's state dict and this rank's vocabulary shard of the unembedding
-        ``[vocab_on_this_rank (padded), d_model]`` (paths relative to the model)."""
+        ``[vocab_on_this_rank (padded), d_model]`` (paths relative to the model; the first of
+        ``head_paths`` that exists: a model with tied embeddings may have no ``lm_head`` and
+        unembed with its input embedding)."""
         model = self._interp_recorder().model
         norm = {k: v.detach().to("cpu", copy=True) for k, v in model.get_submodule(norm_path).state_dict().items()}
-        head = model.get_submodule(head_path)
+        head = None
+        for path in head_paths:
+            try:
+                head = model.get_submodule(path)
+                break
+            except AttributeError:
+                continue
+        if head is None:
+            raise RuntimeError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
         weight = head.weight
         if not weight.numel():  # repacked for the CPU GEMM kernels: read it back through the layer
             with torch.inference_mode():

@@ -33,7 +33,6 @@ from .model import Completion as Completion
 from .model import capture_generation as capture_generation
 from .model import run_with_cache as run_with_cache
 from .moe import RoutingError as RoutingError
-from .positions import Selection as Selection
 from .moe import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID
 from .tokens import InputError as InputError

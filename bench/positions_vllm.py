@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -53,6 +54,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=64)
     args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = load_model(backend="vllm", max_model_len=256)
     batch = prompts(model, args.prompts)
     n_tokens = sum(t.shape[1] for t in batch)

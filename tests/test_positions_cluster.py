@@ -111,3 +111,38 @@ def test_bad_positions_fail_before_any_work(cluster_llama):
     with pytest.raises(AddressError, match="matched no address"):
         run_with_cache(cluster_llama, tokens, [lambda a: a.name == "nothing"])
     assert sent(cluster_llama) == before
+
+
+@pytest.fixture(scope="module")
+def cluster_vllm(cluster_llama, tiny_path):
+    """A vLLM replica on the same cluster (CPU only: it lands on the head node)."""
+    pytest.importorskip("vllm")
+    model = load_model(str(tiny_path("llama")), backend="vllm", replicas=1, gpus_per_replica=0,
+                       cpus_per_replica=0.5, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"}, max_model_len=128)
+    yield model
+    model.close()
+
+
+def test_a_vllm_replica_selects_inside_its_engine(cluster_vllm, eager_models):
+    """A padded batch goes to the vLLM replica prompt by prompt; each prompt's engine request keeps
+    only its last row, so the replica returns one position per prompt."""
+    tokens = eager_models("llama").tok.to_tokens(PROMPTS)
+    lengths = (tokens >= 0).sum(1).tolist()
+    before = sent(cluster_vllm)
+    full = run_with_cache(cluster_vllm, tokens, ["resid_post.1", "z.0"])
+    full_bytes = sent(cluster_vllm) - before
+    before = sent(cluster_vllm)
+    last = run_with_cache(cluster_vllm, tokens, ["resid_post.1", "z.0"], positions=-1)
+    last_bytes = sent(cluster_vllm) - before
+    assert last.positions.tolist() == [[n - 1] for n in lengths]
+    for address in full:
+        for b, n in enumerate(lengths):
+            assert torch.equal(last[address][b, 0], full[address][b, n - 1]), address
+    per_position = sum(t[0, 0].nbytes for t in full.values())
+    # one prompt per shard, at its true length: every real position, and then one per prompt
+    assert full_bytes == per_position * sum(lengths)
+    assert last_bytes == (per_position + 8) * len(PROMPTS)
+    got = logit_lens(cluster_vllm, run_with_cache(cluster_vllm, tokens[:1], ["resid_post.2"]))
+    local = eager_models("llama")
+    assert_near(got, logit_lens(local, run_with_cache(local, tokens[:1, : lengths[0]], ["resid_post.2"])),
+                "vLLM replica lens")

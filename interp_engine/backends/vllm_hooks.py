@@ -55,8 +55,9 @@ class Recorder:
         # request -> address -> [(positions of the rows, chunk, offset, length)], in the order
         # computed; a chunk holds one forward's rows of every request that wanted it
         self.store: dict[str, dict[Address, list]] = {}
-        # this forward's registered requests: (request, first row, end row, kept rows or None = all)
-        self.batch: list[tuple[str, int, int, torch.Tensor | None]] = []
+        # this forward's registered requests: (request, first row, end row, kept rows or None = all,
+        # the positions of the kept rows)
+        self.batch: list[tuple[str, int, int, torch.Tensor | None, torch.Tensor]] = []
         #: bytes of every row this worker has handed back (what crosses to the driver)
         self.bytes_returned = 0
         self._positions = torch.empty(0, dtype=torch.long)
@@ -157,17 +158,18 @@ class Recorder:
             # on the host: the bookkeeping indexes with it (one small copy per forward on a GPU)
             self._positions = positions[: int(starts[n])].to("cpu", copy=True)
         for rid, s, e in spans:
-            kept = None
+            kept, here = None, self._positions[s:e]
             if rid in self.filters:
                 wanted, after = self.filters[rid]
-                here = self._positions[s:e]
                 hit = torch.isin(here, wanted)
                 if after is not None:
                     hit |= here >= after
-                if not bool(hit.any()):
+                local = hit.nonzero().flatten()
+                if not len(local):
                     continue  # nothing of this request's forward is selected: nothing is copied
-                kept = None if bool(hit.all()) else s + hit.nonzero().flatten()
-            self.batch.append((rid, s, e, kept))
+                if len(local) < e - s:
+                    kept, here = s + local, here[local]
+            self.batch.append((rid, s, e, kept, here))
         if self.batch:
             wants = {self.wanted[rid] for rid, *_ in self.batch}
             if len(wants) == 1:  # the usual case: every request here wants the same points
@@ -192,7 +194,7 @@ class Recorder:
             if whole and all(a[2] == b[1] for a, b in zip(spans, spans[1:])):
                 selector = slice(spans[0][1], spans[-1][2])
             else:
-                selector = torch.cat([torch.arange(s, e) if kept is None else kept for _, s, e, kept in spans])
+                selector = torch.cat([torch.arange(s, e) if kept is None else kept for _, s, e, kept, _ in spans])
             found = self._selections[key] = (selector, spans)
         return found
 
@@ -234,10 +236,10 @@ class Recorder:
     def _keep(self, address: Address, selection, chunk: torch.Tensor) -> None:
         """One chunk per forward and address; each request keeps a reference to its rows."""
         offset = 0
-        for rid, s, e, kept in selection[1]:
-            positions = self._positions[s:e] if kept is None else self._positions[kept]
-            self.store[rid][address].append((positions, chunk, offset, len(positions)))
-            offset += len(positions)
+        for rid, _, _, _, positions in selection[1]:
+            n = len(positions)
+            self.store[rid][address].append((positions, chunk, offset, n))
+            offset += n
 
     def _on_final_hidden(self, module, args, hidden):
         """Logits at every recorded row, through the model's own ``compute_logits``.

@@ -142,7 +142,7 @@ def test_a_vllm_replica_selects_inside_its_engine(cluster_vllm, eager_models):
     # one prompt per shard, at its true length: every real position, and then one per prompt
     assert full_bytes == per_position * sum(lengths)
     assert last_bytes == (per_position + 8) * len(PROMPTS)
-    got = logit_lens(cluster_vllm, run_with_cache(cluster_vllm, tokens[:1], ["resid_post.2"]))
+    got = logit_lens(cluster_vllm, run_with_cache(cluster_vllm, tokens[:1], ["resid_post.2"]))[:, :, : lengths[0]]
     local = eager_models("llama")
     assert_near(got, logit_lens(local, run_with_cache(local, tokens[:1, : lengths[0]], ["resid_post.2"])),
                 "vLLM replica lens")

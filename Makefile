@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/eager_capture.py
 	$(PY) bench/vllm_capture.py
 	$(PY) bench/cluster_dataset.py
+	$(PY) bench/positions_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -30,11 +30,14 @@ def position_dims(address: Address) -> tuple[int, ...]:
     return (2, 3) if address.name == "pattern" else (1,)
 
 
-def pad_positions(tensor: torch.Tensor, address: Address, width: int) -> torch.Tensor:
-    """Zero-pad the position axes of ``tensor`` up to ``width``."""
+def pad_positions(tensor: torch.Tensor, address: Address, width: int, held: int | None = None) -> torch.Tensor:
+    """Zero-pad the position axes of ``tensor`` up to ``width`` (the query / selected axis up to
+    ``held`` where a selection of positions was captured)."""
     pad: list[int] = []
+    dims = position_dims(address)
     for dim in reversed(range(1, tensor.dim())):
-        pad += [0, width - tensor.shape[dim]] if dim in position_dims(address) else [0, 0]
+        target = held if held is not None and dim == dims[0] else width
+        pad += [0, target - tensor.shape[dim]] if dim in dims else [0, 0]
     return F.pad(tensor, pad) if any(pad) else tensor
 
 
@@ -42,20 +45,29 @@ def pad_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(tokens, (0, width - tokens.shape[1]), value=PAD_ID)
 
 
-def join_rows(parts: list[dict[Address, torch.Tensor]], tokens: list[torch.Tensor],
-              width: int | None = None) -> tuple[dict[Address, torch.Tensor], torch.Tensor]:
-    """Concatenate per-row (or per-chunk) results along the batch, padded to one width."""
+def join_rows(parts: list[dict[Address, torch.Tensor]], tokens: list[torch.Tensor], width: int | None = None,
+              positions: list[torch.Tensor] | None = None):
+    """Concatenate per-row (or per-chunk) results along the batch, padded to one width.
+
+    Returns ``(tensors, tokens, positions)``; ``positions`` (each part's held positions, when a
+    selection was captured) are joined padded with -1, and the tensors to the widest selection."""
     width = width or max(t.shape[1] for t in tokens)
-    joined = {a: torch.cat([pad_positions(p[a], a, width) for p in parts]) for a in parts[0]}
-    return joined, torch.cat([pad_tokens(t, width) for t in tokens])
+    held = None if positions is None else max(p.shape[1] for p in positions)
+    joined = {a: torch.cat([pad_positions(p[a], a, width, held) for p in parts]) for a in parts[0]}
+    padded = torch.cat([pad_tokens(t, width) for t in tokens])
+    if positions is None:
+        return joined, padded, None
+    return joined, padded, torch.cat([F.pad(p, (0, held - p.shape[1]), value=-1) for p in positions])
 
 
-def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Address]) -> Cache:
+def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Address], positions=None) -> Cache:
     """``model.run_with_cache`` on a padded batch, one row at a time where the model takes one
-    prompt per call; the result is the padded batch a batched model would return."""
+    prompt per call; the result is the padded batch a batched model would return. ``positions``
+    is a positions spec: each row resolves it against its own length, as a batched model does."""
     if model.batched or tokens.shape[0] == 1 and bool((tokens >= 0).all()):
-        return model.run_with_cache(tokens, addresses)
+        return model.run_with_cache(tokens, addresses, positions=positions)
     rows = [row[row >= 0][None] for row in tokens]
-    parts = [model.run_with_cache(row, addresses).to_dict() for row in rows]
-    joined, padded = join_rows(parts, rows, tokens.shape[1])
-    return Cache(joined, padded, None, model.name, model.backend)
+    caches = [model.run_with_cache(row, addresses, positions=positions) for row in rows]
+    held = None if positions is None else [c.positions for c in caches]
+    joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)
+    return Cache(joined, padded, None, model.name, model.backend, held)

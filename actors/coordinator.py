@@ -51,9 +51,9 @@ class CoordinatorCore:
             self._dead |= set(scheduler.dead)
             self.resubmitted += scheduler.resubmitted
 
-    def run(self, tokens: np.ndarray, points: list[str]) -> Captured:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None) -> Captured:
         tokens = np.asarray(tokens)
-        shards = self._row_shards(tokens, list(points))
+        shards = self._row_shards(tokens, list(points), positions)
         scheduler = self._scheduler()
         results: dict[int, Captured] = {}
         try:
@@ -65,20 +65,23 @@ class CoordinatorCore:
         if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
             return parts[0]
         tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
-        joined, padded = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts], tokens.shape[1])
-        return Captured(pack_dict(joined), padded.numpy())
+        held = None if positions is None else [torch.from_numpy(np.array(p.positions)) for p in parts]
+        joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
+                                         tokens.shape[1], held)
+        return Captured(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
 
-    def _row_shards(self, tokens: np.ndarray, points: list[str]) -> list[Shard]:
+    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None) -> list[Shard]:
+        """Row shards; each carries the positions spec, which every replica resolves per row."""
         if not self.batched:
             rows = [row[row >= 0][None] for row in tokens]
-            return [Shard(i, (row, points)) for i, row in enumerate(rows)]
+            return [Shard(i, (row, points, positions)) for i, row in enumerate(rows)]
         bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
-        return [Shard(i, (tokens[a:b], points)) for i, (a, b) in enumerate(bounds)]
+        return [Shard(i, (tokens[a:b], points, positions)) for i, (a, b) in enumerate(bounds)]
 
-    def generate(self, tokens: np.ndarray, points: list[str], options: dict) -> Generated:
+    def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None) -> Generated:
         scheduler = self._scheduler()
         try:
-            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options))]):
+            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions))]):
                 return generated
         finally:
             self._forget(scheduler)
@@ -151,11 +154,11 @@ def coordinator_actor():
             self.core = CoordinatorCore(RayExecutor(handles), len(handles), batched=batched,
                                         per_replica=per_replica, names=names)
 
-        def run(self, tokens, points):
-            return self.core.run(tokens, points)
+        def run(self, tokens, points, positions=None):
+            return self.core.run(tokens, points, positions)
 
-        def generate(self, tokens, points, options):
-            return self.core.generate(tokens, points, options)
+        def generate(self, tokens, points, options, positions=None):
+            return self.core.generate(tokens, points, options, positions)
 
         def build(self, build_id, spec, source, skip):
             return self.core.build(build_id, spec, source, skip)

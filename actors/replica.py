@@ -63,6 +63,8 @@ class ReplicaCore:
         self.index = index
         self.node = node
         self.model = spec.load()
+        #: bytes of the activations this replica has returned (what crosses to the coordinator)
+        self.bytes_returned = 0
 
     def facts(self) -> ReplicaFacts:
         import tempfile
@@ -81,17 +83,28 @@ class ReplicaCore:
 
         return weights_fingerprint(resolve(self.spec.name_or_path))
 
-    def run(self, tokens: np.ndarray, points: list[str]) -> Captured:
-        """Capture a padded batch (split per prompt where the backend takes one at a time)."""
+    def run(self, tokens: np.ndarray, points: list[str], positions=None) -> Captured:
+        """Capture a padded batch (split per prompt where the backend takes one at a time).
+        ``positions`` (a positions spec) is applied by the model here, so only the selected rows
+        are ever returned."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        cache = run_padded(self.model, batch, [parse_address(p) for p in points])
-        return Captured(pack_dict(cache.to_dict()), cache.tokens.numpy())
+        cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions)
+        captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
+        self.bytes_returned += captured.nbytes
+        return captured
 
-    def generate(self, tokens: np.ndarray, points: list[str], options: dict) -> Generated:
+    def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None) -> Generated:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points], **options)
-        return Generated(completion.text, list(completion.token_ids), completion.finish_reason,
-                         pack_dict(cache.to_dict()), cache.tokens.numpy())
+        completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
+                                                          positions=positions, **options)
+        generated = Generated(completion.text, list(completion.token_ids), completion.finish_reason,
+                              pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
+        self.bytes_returned += generated.nbytes
+        return generated
+
+    def returned_bytes(self) -> int:
+        """Bytes of activations returned so far (for the transfer tests and the benchmark)."""
+        return self.bytes_returned
 
     def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
         return write_shard(self.model, spec, index, texts)
@@ -100,6 +113,10 @@ class ReplicaCore:
         from .wire import Packed
 
         return Packed.of(self.model.o_proj_weight(layer))
+
+    def unembed_weights(self) -> dict:
+        """The final norm's and the unembedding's weights, as plain data (for the logit lens)."""
+        return self.model.unembed_weights().as_plain()
 
     def ping(self) -> int:
         return os.getpid()
@@ -112,6 +129,10 @@ class ReplicaCore:
 
     def close(self) -> None:
         self.model.close()
+
+
+def _held(cache) -> np.ndarray | None:
+    return cache.positions.numpy() if cache.selected else None
 
 
 def replica_actor():

@@ -50,6 +50,14 @@ class Captured:
 
     tensors: dict[str, Packed]
     tokens: np.ndarray  # [rows, pos], PAD_ID where padded
+    #: [rows, held] positions of a selection (``positions=``), -1 where a row holds fewer; None: all
+    positions: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the activations (and positions) this capture carries."""
+        return sum(p.array.nbytes for p in self.tensors.values()) + (0 if self.positions is None else
+                                                                       self.positions.nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +69,11 @@ class Generated:
     finish_reason: str
     tensors: dict[str, Packed]
     tokens: np.ndarray
+    positions: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return Captured(self.tensors, self.tokens, self.positions).nbytes
 
 
 class RemoteError(RuntimeError):

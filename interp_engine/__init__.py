@@ -12,7 +12,12 @@ from .address import ModelInfo as ModelInfo
 from .address import format_address as format_address
 from .address import parse_address as parse_address
 from .address import to_address as to_address
+from .analysis import accumulated_resid as accumulated_resid
+from .analysis import decompose_resid as decompose_resid
+from .analysis import final_scale as final_scale
 from .analysis import head_contributions as head_contributions
+from .analysis import logit_attribution as logit_attribution
+from .analysis import stack as stack
 from .cache import Cache as Cache
 from .cluster import ClusterError as ClusterError
 from .dataset import ActivationDataset as ActivationDataset

@@ -242,13 +242,77 @@ def check_address(address: Address, info: ModelInfo, backend: str, unserved: Ite
         raise AddressError(f"{format_address(address)!r}: {info.name} has {what}")
 
 
+def _candidates(info: ModelInfo, site: Site, layer: int | None = None) -> list[Address]:
+    if not site.per_layer:
+        return [Address(site.name)]
+    layers = range(info.n_layers) if layer is None else [layer]
+    streams = range(info.n_streams) if site.per_stream else [None]
+    return [Address(site.name, L, s) for L in layers for s in streams]
+
+
+def _served(address: Address, info: ModelInfo, backend: str, unserved) -> bool:
+    try:
+        check_address(address, info, backend, unserved)
+    except AddressError:
+        return False
+    return True
+
+
+def all_points(info: ModelInfo, backend: str, unserved: Iterable[str] = (), site: str | None = None) -> list[Address]:
+    """Every address the model serves on ``backend``, in forward order: layer by layer, the
+    sites of each layer in the order of :data:`SITES`, streams in order, ``logits`` last.
+    ``site`` keeps one site's addresses (in layer order)."""
+    unserved = set(unserved)
+    if site is not None and site not in SITES:
+        raise AddressError(f"unknown site {site!r}; known sites: {', '.join(SITES)}")
+    sites = [SITES[site]] if site is not None else list(SITES.values())
+    layered = [s for s in sites if s.per_layer]
+    out = [a for L in range(info.n_layers) for s in layered for a in _candidates(info, s, L)]
+    out += [Address(s.name) for s in sites if not s.per_layer]
+    return [a for a in out if _served(a, info, backend, unserved)]
+
+
+def _expand(point, info: ModelInfo, backend: str, unserved) -> list[Address]:
+    """One user point as addresses: a whole site (``"resid_post"``, ``"resid_streams.5"``) and a
+    filter (a callable on Address) expand, in forward order; anything else is one address."""
+    if callable(point) and not isinstance(point, (Address, str, tuple)):
+        found = [a for a in all_points(info, backend, unserved) if point(a)]
+        if not found:
+            raise AddressError(
+                f"the point filter {getattr(point, '__name__', point)!r} matched no address of {info.name} on the "
+                f"{backend} backend; model.points() lists the valid ones (e.g. "
+                f"{', '.join(format_address(a) for a in all_points(info, backend, unserved)[:3])}, ...)"
+            )
+        return found
+    if isinstance(point, str):
+        name, *coords = point.strip().split(".")
+        site = SITES.get(name)
+        whole = site is not None and ((site.per_layer and not coords) or (site.per_stream and len(coords) == 1))
+        if whole:
+            layer = None
+            if coords:
+                layer = parse_address(f"{name}.{coords[0]}.0").layer
+            candidates = _candidates(info, site, layer)
+            if layer is not None:
+                check_address(Address(name, layer, 0), info, backend, unserved)
+            found = [a for a in candidates if _served(a, info, backend, unserved)]
+            if not found:
+                check_address(candidates[0], info, backend, unserved)  # raises the reason, with the options
+            return found
+    return [to_address(point)]
+
+
 def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> list[Address]:
     """Turn the user's point list into Addresses, checked against the model.
 
-    Duplicates are dropped (the first occurrence keeps its place): asking twice for a point
-    captures it once.
+    A point is an Address, its string form, a tuple, a whole site (``"resid_post"``: every
+    layer; ``"resid_streams.5"``: every stream of layer 5) or a filter (a callable taking an
+    Address). Whole sites and filters expand in forward order (see :func:`all_points`), the same
+    on every backend. Duplicates are dropped (the first occurrence keeps its place): asking twice
+    for a point captures it once.
     """
-    if isinstance(points, (str, Address)):
+    unserved = set(unserved)
+    if isinstance(points, (str, Address)) or callable(points):
         points = [points]
     if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
         raise AddressError(
@@ -258,7 +322,7 @@ def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] 
     points = list(points)
     if not points:
         raise AddressError("no points to capture: pass e.g. ['resid_post.0'] or [Address('resid_post', 0)]")
-    addresses = list(dict.fromkeys(to_address(p) for p in points))
+    addresses = list(dict.fromkeys(a for p in points for a in _expand(p, info, backend, unserved)))
     for address in addresses:
         check_address(address, info, backend, unserved)
     return addresses

@@ -1,9 +1,16 @@
-"""Analysis helpers: functions of a cache (and the model's weights), not points of capture."""
+"""Analysis helpers: functions of a cache (and the model's weights), not points of capture.
+
+The cache stays data; these read it. ``stack`` puts one site's layers together,
+``accumulated_resid`` is the residual stream layer by layer (``resid_pre.L`` at entry ``L``),
+``decompose_resid`` splits it into what wrote it (embedding, every ``attn_out`` and ``mlp_out``,
+summing back to it), and ``logit_attribution`` says how much each piece adds to a token's logit.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .address import Address
 from .cache import Cache
 
 
@@ -18,3 +25,140 @@ def head_contributions(model, cache: Cache, layer: int) -> torch.Tensor:
     weight = model.o_proj_weight(layer)  # [d_model, h * d_head]
     w = weight.reshape(weight.shape[0], model.n_heads, model.d_head).to(z.dtype)
     return torch.einsum("bphd,mhd->bphm", z, w.to(z.device))
+
+
+def _layers_held(cache: Cache, site: str) -> list[int]:
+    return sorted(a.layer for a in cache if a.name == site and a.layer is not None)
+
+
+def stack(cache: Cache, site: str, layers=None) -> torch.Tensor:
+    """One site at several layers as one tensor, ``[layers, batch, pos, ...]``.
+
+    ``layers`` defaults to every layer of ``site`` the cache holds, in layer order;
+    ``stack(cache, "resid_post")[i]`` is ``cache[f"resid_post.{layers[i]}"]``.
+    """
+    held = _layers_held(cache, site)
+    layers = held if layers is None else list(layers)
+    missing = [L for L in layers if L not in held]
+    if not layers or missing:
+        raise KeyError(f"stack({site!r}) needs {site} at layers {missing or 'any'}; this cache holds {site} at "
+                       f"{held or 'no layer'}. Capture the whole site: run_with_cache(model, tokens, [{site!r}])")
+    return torch.stack([cache.get(site, L) for L in layers])
+
+
+def _resid_pre(cache: Cache, layer: int) -> torch.Tensor:
+    """``resid_pre.L``, or ``resid_post.(L-1)``, which is the same tensor."""
+    if Address("resid_pre", layer) in cache:
+        return cache.get("resid_pre", layer)
+    if layer > 0 and Address("resid_post", layer - 1) in cache:
+        return cache.get("resid_post", layer - 1)
+    need = "'resid_pre.0' (the embedding)" if layer == 0 else f"'resid_pre.{layer}' or 'resid_post.{layer - 1}'"
+    raise KeyError(f"the residual stream entering layer {layer} is not in this cache: capture {need}, "
+                   f"e.g. run_with_cache(model, tokens, ['resid_pre.0', 'resid_post'])")
+
+
+def _n_layers(cache: Cache, model) -> int:
+    if model is not None:
+        return model.n_layers
+    layered = [a.layer for a in cache if a.layer is not None and a.name in ("resid_pre", "resid_post")]
+    if not layered:
+        raise KeyError("this cache holds no resid_pre / resid_post; capture them, or pass model= for n_layers")
+    return max(layered) + 1
+
+
+def accumulated_resid(cache: Cache, layer: int | None = None, *, apply_ln: bool = False, model=None,
+                      return_labels: bool = False):
+    """The residual stream as it accumulates: ``[layer + 1, batch, pos, d_model]``.
+
+    Entry ``L`` is the stream entering layer ``L`` (``resid_pre.L``, read as ``resid_post.(L-1)``
+    where that is what the cache holds). ``layer=None`` goes to the end: entries
+    ``0 .. n_layers - 1`` and then the final ``resid_post`` (``n_layers + 1`` entries).
+    ``apply_ln=True`` puts each entry through the model's final norm (needs ``model``): each entry
+    is a whole residual stream, so this is the logit lens's input at every depth.
+    """
+    n = _n_layers(cache, model)
+    last = n if layer is None else layer
+    if not 0 <= last <= n:
+        raise ValueError(f"layer={layer} is out of range: 0..{n} (n_layers={n} means the final resid_post)")
+    rows = [_resid_pre(cache, L) for L in range(min(last + 1, n))]
+    labels = [f"resid_pre.{L}" for L in range(len(rows))]
+    if last == n:
+        rows.append(cache.get("resid_post", n - 1))
+        labels.append(f"resid_post.{n - 1}")
+    out = torch.stack(rows)
+    if apply_ln:
+        if model is None:
+            raise ValueError("apply_ln=True needs the model's final norm: accumulated_resid(cache, ..., model=model)")
+        with torch.no_grad():
+            out = model.final_norm(out)
+    return (out, labels) if return_labels else out
+
+
+def decompose_resid(cache: Cache, layer: int | None = None, *, return_labels: bool = False):
+    """The residual stream entering ``layer`` (default: the final ``resid_post``) as the sum of what
+    wrote it: the embedding (``resid_pre.0``), then ``attn_out.L`` and ``mlp_out.L`` of every
+    earlier layer, ``[components, batch, pos, d_model]``. Summed over components it is that
+    residual stream."""
+    n = max([a.layer for a in cache if a.name in ("attn_out", "mlp_out")], default=-1) + 1
+    upto = n if layer is None else layer
+    rows, labels = [_resid_pre(cache, 0)], ["embed"]
+    for L in range(upto):
+        for site in ("attn_out", "mlp_out"):
+            if Address(site, L) not in cache:
+                raise KeyError(f"decompose_resid needs '{site}.{L}'; capture ['resid_pre.0', 'attn_out', 'mlp_out']")
+            rows.append(cache.get(site, L))
+            labels.append(f"{site}.{L}")
+    out = torch.stack(rows)
+    return (out, labels) if return_labels else out
+
+
+def final_scale(model, resid: torch.Tensor) -> torch.Tensor:
+    """The final norm as a linear map *at* ``resid``: ``x -> x * scale`` with ``scale`` of shape
+    ``[..., d_model]`` and ``final_norm(resid) == resid * scale``.
+
+    An RMS norm divides by the root mean square of its input (one number per position) and
+    multiplies by a gain per feature. Frozen at the final residual, that is linear, so the
+    components of a decomposition can each be put through it and still sum to
+    ``final_norm(resid)`` (the usual way of attributing logits to components)."""
+    with torch.no_grad():
+        normed = model.final_norm(resid)
+        gain = model.final_norm(torch.ones(resid.shape[-1], dtype=resid.dtype)).to(normed.device)
+        shaped = resid.to(normed.device) * gain
+        # the per-position factor, recovered by projection (exact for an RMS norm)
+        factor = (normed * shaped).sum(-1, keepdim=True) / (shaped * shaped).sum(-1, keepdim=True).clamp_min(1e-30)
+        return gain * factor
+
+
+def _directions(model, target) -> torch.Tensor:
+    """Unembedding directions ``[..., d_model]`` for token ids (an int, a list or a tensor of
+    ids), a single-token string, or directions given as a float tensor."""
+    if isinstance(target, str):
+        ids = model.tok.encode(target, prepend_bos=False)
+        if len(ids) != 1:
+            raise ValueError(f"{target!r} is {len(ids)} tokens {model.to_str_tokens(ids)}; pass one token or its id")
+        target = ids[0]
+    target = torch.as_tensor(target)
+    if target.is_floating_point():
+        return target
+    weight = model.unembed_weight().detach()
+    return weight[target.to(weight.device).long()]
+
+
+def logit_attribution(model, cache: Cache, tokens_or_directions, components: torch.Tensor | None = None):
+    """How much each component adds to the logit of a token, ``[components, batch, pos]``.
+
+    ``components`` (default: :func:`decompose_resid` of the cache) are put through the final norm
+    frozen at the final residual (:func:`final_scale`) and dotted with each token's unembedding
+    direction. ``tokens_or_directions``: a token id, a one-token string, ids ``[batch, pos]`` (one
+    per position, e.g. the next tokens) or directions ``[d_model]`` / ``[batch, pos, d_model]``.
+    Summed over the default components it is the token's logit before any final softcapping
+    (the unembedding has no bias in the supported families). ``head_contributions(...)`` moved to
+    the front (``.permute(2, 0, 1, 3)``) gives per-head attributions.
+    """
+    n = _n_layers(cache, model)
+    final = cache.get("resid_post", n - 1)
+    if components is None:
+        components = decompose_resid(cache)
+    scale = final_scale(model, final)
+    direction = _directions(model, tokens_or_directions).to(scale.device, scale.dtype)
+    return (components.to(scale.device) * scale * direction).sum(-1)

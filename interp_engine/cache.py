@@ -7,6 +7,10 @@ It keeps no reference to the model, so it can be saved, sent across processes an
 Every tensor is ``[batch, pos, ...]`` (``pattern`` is ``[batch, head, q_pos, k_pos]``).
 ``mask[b, p]`` is True at real positions; padded positions hold zeros in every tensor, and
 ``tokens`` holds ``PAD_ID`` (-1) there.
+
+A capture with ``positions=`` (see :mod:`.positions`) holds only some positions: then the
+tensors' position axis runs over ``positions[b, i]`` (``-1`` where a row holds fewer than the
+widest), ``mask`` is ``positions >= 0``, and ``tokens`` is still the whole input.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .address import Address, AddressLike, format_address, parse_address, to_add
 
 _TOKENS = "__tokens__"
 _MASK = "__mask__"
+_POSITIONS = "__positions__"
 
 
 class Cache(Mapping):
@@ -37,10 +42,15 @@ class Cache(Mapping):
         mask: torch.Tensor | None = None,
         model_name: str = "",
         backend: str = "",
+        positions: torch.Tensor | None = None,
     ):
         self._data = {to_address(k): v for k, v in data.items()}
         self.tokens = tokens
-        self.mask = tokens >= 0 if mask is None else mask.bool()
+        self._positions = positions
+        if positions is not None:
+            self.mask = positions >= 0
+        else:
+            self.mask = tokens >= 0 if mask is None else mask.bool()
         self.model_name = model_name
         self.backend = backend
 
@@ -74,8 +84,56 @@ class Cache(Mapping):
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Number of real positions of each sequence."""
+        """Number of positions each row holds."""
         return self.mask.sum(dim=1)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[batch, held]``: the position of each held column, -1 where a row holds fewer."""
+        if self._positions is not None:
+            return self._positions
+        return torch.where(self.mask, torch.arange(self.mask.shape[1]), torch.full((), -1))
+
+    @property
+    def selected(self) -> bool:
+        """Whether this cache holds a selection of positions (``positions=`` at capture)."""
+        return self._positions is not None
+
+    def _like(self, data, positions=None) -> "Cache":
+        positions = self._positions if positions is None else positions
+        mask = None if positions is not None else self.mask
+        return Cache(data, self.tokens, mask, self.model_name, self.backend, positions)
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "Cache":
+        """A cache with every activation moved to ``device`` (and floating ones cast to ``dtype``);
+        tokens, mask and positions stay on the CPU."""
+        def move(t):
+            return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
+
+        return self._like({a: move(t) for a, t in self._data.items()})
+
+    def select(self, positions) -> "Cache":
+        """The same cache at fewer positions, chosen as ``positions=`` chooses them at capture
+        (resolved against each row's tokens; see :mod:`interp_engine.positions`)."""
+        from .positions import check_spec, gather_positions, resolve
+
+        spec = check_spec(positions)
+        lengths = (self.tokens >= 0).sum(dim=1).tolist()
+        selection = resolve(spec, lengths)
+        if selection is None:
+            return self
+        held = self.positions
+        index = torch.full((len(lengths), selection.width()), -1, dtype=torch.long)
+        for row, wanted in enumerate(selection.rows):
+            columns = {int(p): i for i, p in enumerate(held[row].tolist()) if p >= 0}
+            missing = [p for p in wanted if p not in columns]
+            if missing:
+                raise KeyError(f"positions {missing} of row {row} are not held by this cache "
+                               f"(it holds {sorted(columns)})")
+            index[row, : len(wanted)] = torch.tensor([columns[p] for p in wanted], dtype=torch.long)
+        new_positions = torch.where(index >= 0, held.gather(1, index.clamp(min=0)), torch.full((), -1))
+        data = {a: gather_positions(t, index, pattern=a.name == "pattern") for a, t in self._data.items()}
+        return self._like(data, new_positions)
 
     def to_dict(self) -> dict[Address, torch.Tensor]:
         return dict(self._data)
@@ -85,6 +143,8 @@ class Cache(Mapping):
         tensors = {format_address(a): t.detach().contiguous().cpu() for a, t in self._data.items()}
         tensors[_TOKENS] = self.tokens.contiguous().cpu()
         tensors[_MASK] = self.mask.contiguous().cpu()
+        if self._positions is not None:
+            tensors[_POSITIONS] = self._positions.contiguous().cpu()
         metadata = {
             "format": "interp_engine.cache/1",
             "model_name": self.model_name,
@@ -105,4 +165,5 @@ class Cache(Mapping):
         tensors = load_file(str(path))
         order = json.loads(metadata["order"])
         data = {parse_address(k): tensors[k] for k in order}
-        return cls(data, tensors[_TOKENS], tensors[_MASK], metadata["model_name"], metadata["backend"])
+        return cls(data, tensors[_TOKENS], tensors[_MASK], metadata["model_name"], metadata["backend"],
+                   tensors.get(_POSITIONS))

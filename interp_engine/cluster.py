@@ -21,6 +21,7 @@ from .address import Address
 from .cache import Cache
 from .model import CaptureModel, Completion, Sampling
 from .tokens import InputError, Tokenizer
+from .unembedding import FetchedUnembedding, UnembedWeights
 
 
 class ClusterError(RuntimeError):
@@ -185,7 +186,7 @@ def _tokenizer(files: dict[str, bytes]):
         return AutoTokenizer.from_pretrained(tmp)
 
 
-class ClusterModel(CaptureModel):
+class ClusterModel(FetchedUnembedding, CaptureModel):
     """A :class:`CaptureModel` served by replicas on a Ray cluster (see the module docstring)."""
 
     batched = True
@@ -222,6 +223,16 @@ class ClusterModel(CaptureModel):
             self._o_proj[layer] = self._get(self._replicas[0].o_proj_weight.remote(layer)).tensor()
         return self._o_proj[layer]
 
+    def _fetch_unembedding(self) -> UnembedWeights:
+        """The final norm and the unembedding, fetched once from a replica (for the logit lens)."""
+        return UnembedWeights.from_plain(self._get(self._replicas[0].unembed_weights.remote()))
+
+    def bytes_returned(self) -> list[int]:
+        """Per replica, the bytes of activations it has returned so far (what crossed the wire)."""
+        import ray
+
+        return ray.get([r.returned_bytes.remote() for r in self._replicas])
+
     def facts(self) -> dict:
         if self._weights is None:
             self._weights = self._get(self._replicas[0].weights_sha256.remote())
@@ -239,20 +250,22 @@ class ClusterModel(CaptureModel):
     def _points(addresses: list[Address]) -> list[str]:
         return [str(a) for a in addresses]
 
-    def _run(self, tokens, addresses, *, detach):
+    # The positions spec travels as given (it was checked against these tokens here): each
+    # replica resolves it against its own rows and keeps only those rows, so nothing else crosses.
+    def _run(self, tokens, addresses, *, detach, positions=None):
         from .actors.wire import unpack_dict
 
         if not detach:
             raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses)))
-        return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend)
+        captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses), _spec(positions)))
+        return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
 
-    def _generate(self, tokens, addresses, options: Sampling):
+    def _generate(self, tokens, addresses, options: Sampling, *, positions=None):
         from .actors.wire import unpack_dict
 
         generated = self._get(self._coordinator.generate.remote(tokens.numpy(), self._points(addresses),
-                                                                dataclasses.asdict(options)))
+                                                                dataclasses.asdict(options), _spec(positions)))
         return self._completion(generated, unpack_dict)
 
     def _completion(self, generated, unpack_dict):
@@ -260,30 +273,32 @@ class ClusterModel(CaptureModel):
 
         completion = Completion(generated.text, list(generated.token_ids), generated.finish_reason)
         fed = torch.from_numpy(generated.tokens.copy())
-        return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend)
+        return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
 
-    async def _capture(self, tokens, addresses, options):
+    async def _capture(self, tokens, addresses, options, *, positions=None):
         import ray
 
         from .actors.wire import unpack_dict
 
         points = self._points(addresses)
         if options is None:
-            ref = self._coordinator.run.remote(tokens.numpy(), points)
+            ref = self._coordinator.run.remote(tokens.numpy(), points, _spec(positions))
         else:
-            ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options))
+            ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options),
+                                                    _spec(positions))
         try:
             result = await ref
         except ray.exceptions.RayTaskError as err:
             raise (err.cause if isinstance(err.cause, BaseException) else err) from None
         return unpack_dict(result.tensors)
 
-    async def _generate_async(self, tokens, addresses, options):
+    async def _generate_async(self, tokens, addresses, options, *, positions=None):
         import ray
 
         from .actors.wire import unpack_dict
 
-        ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options))
+        ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options),
+                                                _spec(positions))
         try:
             generated = await ref
         except ray.exceptions.RayTaskError as err:
@@ -322,6 +337,16 @@ class ClusterModel(CaptureModel):
         if self._coordinator is not None:
             _release(self._replicas, self._coordinator, self._placement)
             self._coordinator = None
+
+
+def _spec(positions):
+    return None if positions is None else positions.spec
+
+
+def _held(captured):
+    import torch
+
+    return None if captured.positions is None else torch.from_numpy(captured.positions.copy())
 
 
 def demo_summary(*args, **kwargs) -> dict:

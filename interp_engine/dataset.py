@@ -25,6 +25,7 @@ from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, 
                                weights_fingerprint, write_json)
 from .dataset_prompts import PromptSource
 from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, shard_name, write_shard
+from .positions import check_prompt, check_spec, spec_to_json, width_bound
 from .tokens import InputError
 
 
@@ -80,14 +81,17 @@ def build_dataset(
     overwrite: bool = False,
     text_key: str = "text",
     progress: bool = True,
+    positions=None,
 ) -> ActivationDataset:
     """Capture ``points`` for every prompt and write them under ``output`` as Parquet.
 
     ``prompts``: a list of strings, a ``.jsonl``/``.parquet`` path (field ``text_key``) or a Ray
     Dataset. ``layout``: ``"sequence"`` (a row per prompt) or ``"token"`` (a row per position).
     ``dtype``: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (default: the model's own, so a
-    bf16 model is stored bit for bit). Every argument is checked, and the prompts read once,
-    before any capture starts.
+    bf16 model is stored bit for bit). ``positions``: keep only those positions of each prompt,
+    as ``run_with_cache(..., positions=...)`` does (``-1``: a probe dataset of last tokens; the
+    ``"token"`` layout gets one row per kept position, the ``"sequence"`` layout a ``positions``
+    column). Every argument is checked, and the prompts read once, before any capture starts.
     """
     from . import __version__
 
@@ -102,8 +106,18 @@ def build_dataset(
     addresses = check_points(points, model.info, model.backend, model.unserved)
     if layout == "token" and any(a.name == "pattern" for a in addresses):
         raise InputError("'pattern' is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
+    selection = check_spec(positions)
+    if selection == "generated":
+        raise InputError("positions='generated' does not apply to datasets (they capture prompts only)")
     source = PromptSource.of(prompts, text_key)
-    scan = source.scan(model.tok.encode, model.info.n_ctx)
+    seen = iter(range(1 << 62))
+
+    def encode(text):  # each prompt's positions are checked as it is scanned
+        ids = model.tok.encode(text)
+        check_prompt(selection, len(ids), f"prompt {next(seen)}")
+        return ids
+
+    scan = source.scan(encode, model.info.n_ctx)
     n_shards = -(-scan.count // shard_size)
     identity = {
         "format": FORMAT,
@@ -118,13 +132,15 @@ def build_dataset(
         "prompts_sha256": scan.sha256,
         "n_prompts": scan.count,
         "max_length": scan.max_length,
+        **({"positions": spec_to_json(selection)} if selection is not None else {}),
         "shard_size": shard_size,
         "n_shards": n_shards,
     }
     out = Path(output).expanduser().resolve()
     done = prepare_output(out, identity, n_shards, overwrite=overwrite)
     spec = ShardSpec(str(out), tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
-                     json.dumps(identity, sort_keys=True))
+                     json.dumps(identity, sort_keys=True), selection,
+                     width_bound(selection, scan.max_length) if selection is not None else 0)
     manifest = {"identity": identity, "status": "building", "prompts_source": source.label}
     write_json(out / MANIFEST, manifest)
 

@@ -13,6 +13,11 @@ Layouts:
 - ``"token"``: one row per real position. Columns ``prompt_index``, ``position``, ``token`` and
   one tensor column per point holding that position's ``[...]``.
 
+With ``positions=`` (a selection of positions, see :mod:`interp_engine.positions`) only those
+are captured: ``"token"`` has a row per kept position; ``"sequence"`` gets a ``positions``
+column (``[held]``, -1 past a prompt's own selection) and tensor columns ``[held, ...]``, where
+``held`` is the most positions the selection can keep in any prompt of the dataset.
+
 Tensor columns are Arrow ``fixed_shape_tensor`` columns: pyarrow and Ray Data read them back
 with their shapes; pandas sees flat arrays, reshaped with :func:`column_shape`. Floating points
 are stored in the dataset's dtype; ``bfloat16``, which Arrow lacks, is stored as its raw 16-bit
@@ -54,6 +59,8 @@ class ShardSpec:
     n_shards: int
     shard_size: int
     metadata: str = ""  # the manifest identity, embedded in every file's schema
+    positions: object = None  # a positions spec (None: every position)
+    held: int = 0  # the width of a selection in the sequence layout
 
     def path(self, index: int) -> Path:
         return Path(self.output) / shard_name(index, self.n_shards)
@@ -72,10 +79,10 @@ def shard_name(index: int, n_shards: int) -> str:
     return f"part-{index:05d}-of-{n_shards:05d}.parquet"
 
 
-def _run(model, tokens: torch.Tensor, addresses: list[Address]):
+def _run(model, tokens: torch.Tensor, addresses: list[Address], positions=None):
     from interp_engine.actors.batching import run_padded
 
-    return run_padded(model, tokens, addresses)
+    return run_padded(model, tokens, addresses, positions)
 
 
 def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple[pa.Table, int]:
@@ -83,9 +90,9 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
     rows = [model.tok.encode(t) for t in texts]
     tokens = pad_batch(rows)
     addresses = [parse_address(p) for p in spec.points]
-    cache = _run(model, tokens, addresses)
+    cache = _run(model, tokens, addresses, spec.positions)
     first = index * spec.shard_size
-    lengths = cache.mask.sum(dim=1)
+    lengths = (tokens >= 0).sum(dim=1)
     columns: dict[str, pa.Array] = {}
     fields: list[pa.Field] = []
 
@@ -99,16 +106,21 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
         add("prompt_index", pa.array(np.arange(first, first + len(rows), dtype=np.int64)))
         add("length", pa.array(lengths.numpy().astype(np.int32)))
         add("tokens", _tensor_array(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))
+        held = spec.held if cache.selected else None
+        if held is not None:
+            add("positions", _tensor_array(torch.nn.functional.pad(
+                cache.positions, (0, held - cache.positions.shape[1]), value=-1).numpy().astype(np.int32)))
         for address in addresses:
-            data = pad_positions(cache[address], address, spec.max_length)
+            data = pad_positions(cache[address], address, spec.max_length, held)
             array, dtype = _encode(data, spec.dtype)
             add(str(address), _tensor_array(array), _meta(address, dtype))
     else:
         mask = cache.mask
         b_idx, p_idx = mask.nonzero(as_tuple=True)
+        at = cache.positions[mask]  # the position each kept column holds
         add("prompt_index", pa.array((b_idx + first).numpy().astype(np.int64)))
-        add("position", pa.array(p_idx.numpy().astype(np.int32)))
-        add("token", pa.array(tokens[mask].numpy().astype(np.int32)))
+        add("position", pa.array(at.numpy().astype(np.int32)))
+        add("token", pa.array(tokens[b_idx, at].numpy().astype(np.int32)))
         for address in addresses:
             array, dtype = _encode(cache[address][mask], spec.dtype)
             add(str(address), _tensor_array(array), _meta(address, dtype))

@@ -170,31 +170,43 @@ def generation(model, checks: Checks) -> None:
 def lens_table(model, checks: Checks, out: Path) -> dict:
     section(f"Logit lens: {PROMPT!r}")
     tokens = model.to_tokens(PROMPT)
-    points = [Address("resid_post", layer) for layer in range(model.n_layers)] + [Address("logits")]
-    cache = run_with_cache(model, tokens, points)
+    # whole sites: the embedding, then resid_post of every layer, and the model's logits
+    cache = run_with_cache(model, tokens, ["resid_pre.0", "resid_post", "logits"])
     top = lens_top(model, cache)
-    words = model.tok.to_str_tokens(tokens)
-    ids, probs = top.ids[:, 0], top.probs[:, 0]  # [layers, pos]
+    words = model.to_str_tokens(tokens)
+    with torch.no_grad():
+        embed = model.unembed(model.final_norm(cache["resid_pre.0"]))[0].float().softmax(-1)  # [pos, vocab]
+    e_probs, e_ids = embed.max(-1)
+    ids = torch.cat([e_ids[None], top.ids[:, 0]])  # [1 + layers, pos]: the embedding row first
+    probs = torch.cat([e_probs[None], top.probs[:, 0]])
+    labels = ["embed"] + [str(layer) for layer in top.layers]
     table = [[model.tok.decode([int(i)]) for i in row] for row in ids]
+
+    target_id = int(cache["logits"][0, -1].argmax())
+    target = model.tok.decode([target_id])
+    lens_logits = logit_lens(model, cache)[:, 0, -1].float()  # [layers, vocab] at the last position
+    p_target = torch.cat([embed[-1, target_id][None], lens_logits.softmax(-1)[:, target_id]])
 
     width = 13
     print("  each layer's resid_post -> final norm -> unembedding: top token (probability at the last position)")
-    print("  layer " + "".join(f"{show(w, width - 1):>{width}}" for w in words) + "     p(last)")
-    for layer, row in zip(top.layers, table):
+    print(f"  p(target) is the probability of the model's own answer {target!r} at the last position")
+    print("  layer " + "".join(f"{show(w, width - 1):>{width}}" for w in words) + "     p(last)  p(target)")
+    for label, row, p_last, p_t in zip(labels, table, probs[:, -1], p_target):
         cells = "".join(f"{show(t, width - 1):>{width}}" for t in row)
-        print(f"  {layer:>5} {cells}  {float(probs[layer, -1]):>9.3f}")
+        print(f"  {label:>5} {cells}  {float(p_last):>9.3f}  {float(p_t):>9.3f}")
 
     final = logit_lens(model, cache, [model.n_layers - 1])[0]
     checks.close("lens at the last layer == the model's logits", final, cache["logits"], 1e-4)
     lens_answer = table[-1][-1]
-    model_answer = model.tok.decode([int(cache["logits"][0, -1].argmax())])
-    print(f"  the lens's answer at the last layer: {lens_answer!r}; the model's own next token: {model_answer!r}")
-    checks.true("lens answer == model's argmax", lens_answer == model_answer, repr(lens_answer))
+    print(f"  the lens's answer at the last layer: {lens_answer!r}; the model's own next token: {target!r}")
+    checks.true("lens answer == model's argmax", lens_answer == target, repr(lens_answer))
 
     out.mkdir(parents=True, exist_ok=True)
-    png = heatmap(words, table, probs, top.layers, out / "logit_lens.png")
+    png = heatmap(words, table, probs, labels, p_target, target, out / "logit_lens.png")
     record = {"prompt": PROMPT, "model": model.name, "input_tokens": words, "layers": top.layers,
-              "top_tokens": table, "top_probs": probs.tolist(), "answer": lens_answer, "png": str(png)}
+              "top_tokens": table[1:], "top_probs": probs[1:].tolist(), "answer": lens_answer,
+              "embedding": {"top_tokens": table[0], "top_probs": probs[0].tolist(), "target_prob": float(p_target[0])},
+              "target": target, "target_probs": p_target[1:].tolist(), "png": str(png)}
     table_json = (out / "logit_lens.json").resolve()
     table_json.write_text(json.dumps(record, indent=1))
     print(f"\n  logit-lens heatmap written to {png}")
@@ -202,28 +214,41 @@ def lens_table(model, checks: Checks, out: Path) -> dict:
     return record
 
 
-def heatmap(words: list[str], table: list[list[str]], probs: torch.Tensor, layers: list[int], path: Path) -> Path:
-    """A [layer x position] heatmap of the top token's probability, each cell labelled with it."""
+def heatmap(words: list[str], table: list[list[str]], probs: torch.Tensor, labels: list[str],
+            p_target: torch.Tensor, target: str, path: Path) -> Path:
+    """Left: a [layer x position] heatmap of the top token's probability, each cell labelled with
+    the token (embedding row at the bottom). Right: the probability of the model's answer at the
+    last position, layer by layer, on the same rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1.5 * len(words) + 2, 0.28 * len(layers) + 1.6))
+    rows, cols = len(labels), len(words)
+    fig, (ax, side) = plt.subplots(1, 2, sharey=True, figsize=(1.9 * cols + 5.5, 0.36 * rows + 2.2),
+                                   gridspec_kw={"width_ratios": [cols, 2.2], "wspace": 0.04})
     image = ax.imshow(probs.numpy(), origin="lower", aspect="auto", cmap="viridis", vmin=0, vmax=1)
     for y, row in enumerate(table):
         for x, token in enumerate(row):
-            light = float(probs[y, x]) < 0.6
-            ax.text(x, y, show(token, 11), ha="center", va="center", fontsize=6.5,
+            light = float(probs[y, x]) < 0.55
+            ax.text(x, y, show(token, 12), ha="center", va="center", fontsize=9, family="monospace",
                     color="white" if light else "black")
-    ax.set_xticks(range(len(words)), [repr(w) for w in words], fontsize=8)
-    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=6.5)
-    ax.set_xlabel("input position (the lens predicts the next token)")
-    ax.set_ylabel("layer (resid_post)")
-    ax.set_title(f"Logit lens: {PROMPT!r}", fontsize=10)
-    fig.colorbar(image, ax=ax, label="probability of the top token")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.set_xticks(range(cols), [repr(w) for w in words], fontsize=10)
+    ax.set_yticks(range(rows), labels, fontsize=9)
+    ax.axhline(0.5, color="white", linewidth=1.5)  # the embedding row below, the layers above
+    ax.set_xlabel("input position (each cell: the lens's top next-token guess there)", fontsize=10)
+    ax.set_ylabel("layer (resid_post; 'embed' = resid_pre.0)", fontsize=10)
+    ax.set_title(f"Logit lens on {PROMPT!r}", fontsize=12)
+
+    side.plot(p_target.numpy(), range(rows), marker="o", markersize=4, color="tab:red")
+    side.set_xlim(0, 1)
+    side.grid(alpha=0.3)
+    side.set_xlabel(f"p({target!r}) at the last position", fontsize=10)
+    side.set_title("the model's answer, by layer", fontsize=11)
+    side.tick_params(labelsize=9)
+    bar = fig.colorbar(image, ax=[ax, side], fraction=0.025, pad=0.02)
+    bar.set_label("probability of the top token", fontsize=10)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
     return path.resolve()
 

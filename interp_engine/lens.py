@@ -7,8 +7,9 @@ after layer L. Watching the top token change from layer to layer shows where in 
 prediction forms. At the last layer the lens is exact: it equals the model's own logits.
 
 The lens is a function of a :class:`Cache` and the model's weights (through the model's
-``final_norm`` and ``unembed``), not a capture point: capture ``resid_post`` at the layers you
-want, then call :func:`logit_lens`.
+``final_norm`` and ``unembed``, on every backend: a vLLM or cluster model fetches them once from
+its workers or a replica), not a capture point: capture ``resid_post`` at the layers you want,
+then call :func:`logit_lens`.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def _lens_layers(cache: Cache, layers) -> list[int]:
 
 
 def _check_model(model) -> None:
-    if not (callable(getattr(model, "final_norm", None)) and callable(getattr(model, "unembed", None))):
+    missing = [name for name in ("final_norm", "unembed") if not callable(getattr(model, name, None))]
+    if missing:
         raise TypeError(
-            f"logit_lens needs the model's final norm and unembedding, which the "
-            f"{getattr(model, 'backend', type(model).__name__)!r} model does not expose; "
-            f"load the same model with backend='eager' for the lens (the cache can come from any backend)"
+            f"logit_lens needs the model's final norm and unembedding (model.final_norm and model.unembed), "
+            f"and {type(model).__name__} has no {' or '.join(missing)}: pass the model that load_model(...) "
+            f"returned (every backend and cluster model has both)"
         )
 
 

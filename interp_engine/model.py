@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .address import Address, AddressLike, ModelInfo, check_points
+from .address import Address, AddressLike, ModelInfo, all_points, check_points
 from .cache import Cache
+from .positions import Selection, check_spec, resolve
 from .tokens import InputError, Tokenizer, check_tokens
 
 
@@ -138,9 +139,23 @@ class CaptureModel:
     def d_mlp(self) -> int:
         return self.info.d_mlp
 
-    def to_tokens(self, text: str | list[str]) -> torch.Tensor:
-        """``"text"`` -> ``[1, pos]`` token ids; a list -> a right-padded batch (see tokens.py)."""
-        return self.tok.to_tokens(text)
+    def to_tokens(self, text: str | list[str], *, prepend_bos: bool | None = None) -> torch.Tensor:
+        """``"text"`` -> ``[1, pos]`` token ids; a list -> a right-padded batch (see tokens.py).
+        ``prepend_bos``: None = the tokenizer's own special tokens, True/False = force a BOS / none."""
+        return self.tok.to_tokens(text, prepend_bos=prepend_bos)
+
+    def to_str_tokens(self, text_or_tokens, *, prepend_bos: bool | None = None):
+        """Each token as text: ``"text"`` or ``[1, pos]`` -> ``list[str]``; a batch -> one list per row."""
+        return self.tok.to_str_tokens(text_or_tokens, prepend_bos=prepend_bos)
+
+    def to_string(self, tokens):
+        """Token ids back to text: ``[pos]`` / ``[1, pos]`` / a list of ids -> ``str``; a batch -> ``list[str]``."""
+        return self.tok.to_string(tokens)
+
+    def points(self, site: str | None = None) -> list[Address]:
+        """Every address this model serves on this backend, in forward order (layer by layer,
+        sites in the order of the site table, ``logits`` last); ``site`` keeps one site's."""
+        return all_points(self.info, self.backend, self.unserved, site)
 
     def o_proj_weight(self, layer: int) -> torch.Tensor:
         """The attention output projection of ``layer``, ``[d_model, n_heads * d_head]``."""
@@ -179,36 +194,46 @@ class CaptureModel:
             f"or model.capture_generation_async). {self.batch_hint}"
         )
 
-    # -- the calls ------------------------------------------------------------------------------
-    def run_with_cache(self, tokens, points, *, detach: bool = True) -> Cache:
-        tokens, addresses = self.check(tokens, points)
-        return self._run(tokens, addresses, detach=detach)
+    @staticmethod
+    def _selection(tokens: torch.Tensor, positions, options: Sampling | None = None) -> Selection | None:
+        """``positions=`` resolved against each row of a checked batch (see positions.py)."""
+        lengths = (tokens >= 0).sum(dim=1).tolist()
+        return resolve(check_spec(positions), lengths, generating=options is not None,
+                       max_tokens=options.max_tokens if options else None)
 
-    def capture_generation(self, tokens, points, *, max_tokens: int = 16, **sampling) -> tuple[Completion, Cache]:
+    # -- the calls ------------------------------------------------------------------------------
+    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None) -> Cache:
+        tokens, addresses = self.check(tokens, points)
+        return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions))
+
+    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None,
+                           **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
-        return self._generate(tokens, addresses, options)
+        return self._generate(tokens, addresses, options, positions=self._selection(tokens, positions, options))
 
-    async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16,
+    async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
                                        **sampling) -> tuple[Completion, Cache]:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
-        return await self._generate_async(tokens, addresses, options)
+        return await self._generate_async(tokens, addresses, options,
+                                          positions=self._selection(tokens, positions, options))
 
-    async def capture(self, tokens, points, **sampling) -> dict[Address, torch.Tensor]:
+    async def capture(self, tokens, points, *, positions=None, **sampling) -> dict[Address, torch.Tensor]:
         """Async capture of one prompt: a plain dict keyed by Address (a string is a KeyError).
 
         Many calls may be in flight at once; each gets exactly its own rows. With
-        ``max_tokens=N`` it also generates and captures the generated positions.
+        ``max_tokens=N`` it also generates and captures the generated positions. With
+        ``positions=`` each tensor holds the selected positions only, in position order.
         """
         options = Sampling.from_options(sampling) if sampling else None
         if options is None:
             tokens, addresses = self.check(tokens, points, single=True, call="await model.capture(...)")
         else:
             tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
-        return await self._capture(tokens, addresses, options)
+        return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options))
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""
@@ -220,32 +245,43 @@ class CaptureModel:
         self.close()
 
     # -- what a backend implements --------------------------------------------------------------
-    def _run(self, tokens: torch.Tensor, addresses: list[Address], *, detach: bool) -> Cache:
+    # ``positions`` is None (every position) or a Selection resolved against ``tokens``; the
+    # backend applies it where each activation is produced.
+    def _run(self, tokens: torch.Tensor, addresses: list[Address], *, detach: bool,
+             positions: Selection | None = None) -> Cache:
         raise NotImplementedError
 
-    def _generate(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling) -> tuple[Completion, Cache]:
+    def _generate(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling, *,
+                  positions: Selection | None = None) -> tuple[Completion, Cache]:
         raise NotImplementedError
 
-    async def _capture(self, tokens, addresses, options: Sampling | None) -> dict[Address, torch.Tensor]:
+    async def _capture(self, tokens, addresses, options: Sampling | None, *,
+                       positions: Selection | None = None) -> dict[Address, torch.Tensor]:
         raise NotImplementedError
 
-    async def _generate_async(self, tokens, addresses, options: Sampling) -> tuple[Completion, Cache]:
-        return await asyncio.to_thread(self._generate, tokens, addresses, options)
+    async def _generate_async(self, tokens, addresses, options: Sampling, *,
+                              positions: Selection | None = None) -> tuple[Completion, Cache]:
+        return await asyncio.to_thread(lambda: self._generate(tokens, addresses, options, positions=positions))
 
 
-def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True) -> Cache:
+def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,
+                   positions=None) -> Cache:
     """Run ``tokens`` through ``model`` and return the activations at ``points`` as a Cache.
 
-    ``points`` holds Addresses, their string forms (``"resid_post.10"``) or tuples. With
+    ``points`` holds Addresses, their string forms (``"resid_post.10"``), tuples, whole sites
+    (``"resid_post"``: every layer) or a filter (``lambda a: a.layer == 3``). ``positions``
+    keeps only some positions (``-1``: each row's last token; see :mod:`.positions`). With
     ``detach=False`` (eager, ``load_model(..., requires_grad=True)``) the tensors keep their graph.
     """
-    return model.run_with_cache(tokens, points, detach=detach)
+    return model.run_with_cache(tokens, points, detach=detach, positions=positions)
 
 
-def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int = 16, **sampling: Any):
+def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int = 16, positions=None,
+                       **sampling: Any):
     """Generate from one prompt and capture ``points`` at every prompt and generated position.
 
     Returns ``(completion, cache)``. The cache has ``len(prompt) + len(generated) - 1``
-    positions: the final sampled token is never fed back through the model.
+    positions: the final sampled token is never fed back through the model. ``positions``
+    keeps fewer (``"generated"``: the generated ones only; ``-1``: the last prompt token).
     """
-    return model.capture_generation(tokens, points, max_tokens=max_tokens, **sampling)
+    return model.capture_generation(tokens, points, max_tokens=max_tokens, positions=positions, **sampling)

@@ -5,6 +5,10 @@ gives a ``[batch, pos]`` batch, right-padded with ``PAD_ID = -1``. A negative id
 real token, so the padding mask is exactly ``tokens >= 0``: the engine, the Cache and the
 cluster all read the mask that way, and no padded position can be taken for real data.
 Right padding under causal attention means no real position ever sees a padded one.
+
+BOS: by default ``to_tokens`` adds what the tokenizer itself adds (``add_special_tokens=True``:
+the tiny test tokenizers prepend ``<s>``; SmolLM2's adds nothing). ``prepend_bos=True`` makes the
+first token the tokenizer's BOS whatever its default, ``prepend_bos=False`` leaves it off.
 """
 
 from __future__ import annotations
@@ -39,10 +43,10 @@ class Tokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
 
-    def to_tokens(self, text: str | list[str]) -> torch.Tensor:
+    def to_tokens(self, text: str | list[str], *, prepend_bos: bool | None = None) -> torch.Tensor:
         """``str`` -> ``[1, pos]``; ``list[str]`` -> right-padded ``[batch, pos]`` (pad = -1)."""
         if isinstance(text, str):
-            return pad_batch([self.encode(text)])
+            return pad_batch([self.encode(text, prepend_bos=prepend_bos)])
         if isinstance(text, (list, tuple)):
             if not text:
                 raise InputError("to_tokens got an empty list of prompts; pass a string or a list of at least one string")
@@ -50,22 +54,52 @@ class Tokenizer:
                 if not isinstance(t, str):
                     raise InputError(f"to_tokens takes a string or a list of strings; item {i} is "
                                      f"{type(t).__name__} ({t!r:.40})")
-            return pad_batch([self.encode(t, where=f"prompt {i}") for i, t in enumerate(text)])
+            return pad_batch([self.encode(t, where=f"prompt {i}", prepend_bos=prepend_bos) for i, t in enumerate(text)])
         raise InputError(f"to_tokens takes a string or a list of strings, got {type(text).__name__}")
 
-    def encode(self, text: str, *, where: str = "the prompt") -> list[int]:
-        """Token ids of one prompt (special tokens added as the tokenizer does)."""
+    def encode(self, text: str, *, where: str = "the prompt", prepend_bos: bool | None = None) -> list[int]:
+        """Token ids of one prompt: special tokens as the tokenizer adds them (``prepend_bos=None``),
+        or with a BOS forced on (``True``) or off (``False``)."""
         if not isinstance(text, str):
             raise InputError(f"{where} must be a string, got {type(text).__name__} ({text!r:.40})")
         check_text(text, where)
-        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+        ids = list(self.hf(text, add_special_tokens=True)["input_ids"])
+        bos = self.hf.bos_token_id
+        if prepend_bos is None:
+            return ids
+        if prepend_bos and bos is None:
+            raise InputError("prepend_bos=True, but this tokenizer has no BOS token; use prepend_bos=None")
+        starts = bool(ids) and bos is not None and ids[0] == bos
+        if prepend_bos and not starts:
+            return [bos, *ids]
+        if not prepend_bos and starts:
+            return ids[1:]
+        return ids
 
     def decode(self, ids) -> str:
         ids = torch.as_tensor(ids).reshape(-1)
         return self.hf.decode(ids[ids >= 0].tolist())
 
-    def to_str_tokens(self, ids) -> list[str]:
-        ids = torch.as_tensor(ids).reshape(-1)
+    def to_string(self, tokens):
+        """``[pos]``, ``[1, pos]`` or a list of ids -> ``str``; ``[batch, pos]`` -> one ``str`` per row
+        (padding dropped)."""
+        ids = torch.as_tensor(tokens)
+        if ids.dim() == 2 and ids.shape[0] > 1:
+            return [self.decode(row) for row in ids]
+        return self.decode(ids)
+
+    def to_str_tokens(self, text_or_tokens, *, prepend_bos: bool | None = None):
+        """Each token as its text. ``"text"``, ``[pos]``, ``[1, pos]`` or a list of ids ->
+        ``list[str]``; a list of strings or a ``[batch, pos]`` batch -> one list per row (padding dropped)."""
+        if isinstance(text_or_tokens, str):
+            text_or_tokens = self.encode(text_or_tokens, prepend_bos=prepend_bos)
+        elif isinstance(text_or_tokens, (list, tuple)) and text_or_tokens and all(
+                isinstance(t, str) for t in text_or_tokens):
+            return [self.to_str_tokens(t, prepend_bos=prepend_bos) for t in text_or_tokens]
+        ids = torch.as_tensor(text_or_tokens)
+        if ids.dim() == 2 and ids.shape[0] > 1:
+            return [self.to_str_tokens(row) for row in ids]
+        ids = ids.reshape(-1)
         return [self.hf.decode([i]) for i in ids[ids >= 0].tolist()]
 
     @property

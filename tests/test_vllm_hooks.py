@@ -19,18 +19,26 @@ def test_select_sums_parts_into_a_fresh_tensor():
 
 
 def test_dense_in_order_is_a_concatenation():
-    positions = torch.tensor([0, 1, 2, 0, 1])  # one forward: request A rows 0-2, request B rows 3-4
+    # one forward: request A rows 0-2 of a chunk that also holds request B's rows 3-4
     chunk = torch.arange(10.0).reshape(5, 2)
-    step2 = torch.tensor([3])
-    entries = [(positions, 0, chunk, 0, 3), (step2, 0, torch.tensor([[7.0, 7.0]]), 0, 1)]
-    rows, seen = _dense(entries)
-    assert torch.equal(rows, torch.cat([chunk[:3], torch.tensor([[7.0, 7.0]])])) and bool(seen.all())
+    entries = [(torch.tensor([0, 1, 2]), chunk, 0, 3), (torch.tensor([3]), torch.tensor([[7.0, 7.0]]), 0, 1)]
+    rows, positions = _dense(entries)
+    assert torch.equal(rows, torch.cat([chunk[:3], torch.tensor([[7.0, 7.0]])]))
+    assert positions.tolist() == [0, 1, 2, 3]
 
 
 def test_dense_recompute_keeps_the_later_value_and_reports_gaps():
-    first = (torch.tensor([0, 1, 2]), 0, torch.zeros(3, 1), 0, 3)
-    again = (torch.tensor([1, 2]), 0, torch.ones(2, 1), 0, 2)  # positions 1, 2 recomputed
-    later = (torch.tensor([4]), 0, torch.full((1, 1), 4.0), 0, 1)  # position 3 never computed
-    rows, seen = _dense([first, again, later])
-    assert rows[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0, 4.0]
-    assert seen.tolist() == [True, True, True, False, True]
+    first = (torch.tensor([0, 1, 2]), torch.zeros(3, 1), 0, 3)
+    again = (torch.tensor([1, 2]), torch.ones(2, 1), 0, 2)  # positions 1, 2 recomputed
+    later = (torch.tensor([4]), torch.full((1, 1), 4.0), 0, 1)  # position 3 never computed
+    rows, positions = _dense([first, again, later])
+    assert rows[:, 0].tolist() == [0.0, 1.0, 1.0, 4.0]
+    assert positions.tolist() == [0, 1, 2, 4]  # the gap shows: the driver refuses it
+
+
+def test_dense_keeps_only_selected_rows():
+    """A selection (positions=) leaves each forward's unselected rows out: only those listed come back."""
+    prefill = (torch.tensor([5]), torch.full((1, 3), 5.0), 0, 1)  # position 5 of a 6-token prompt
+    decode = (torch.tensor([6]), torch.full((1, 3), 6.0), 0, 1)
+    rows, positions = _dense([prefill, decode])
+    assert rows.shape == (2, 3) and positions.tolist() == [5, 6]

@@ -17,6 +17,7 @@ from ..address import Address
 from ..archs import arch_for, model_info
 from ..cache import Cache
 from ..model import CaptureModel, Completion, Sampling
+from ..positions import held_positions
 from ..tokens import InputError, Tokenizer
 from . import attention
 from .recorder import Recorder, StopForward
@@ -67,6 +68,19 @@ class EagerModel(CaptureModel):
         cap = getattr(self.hf.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    def unembed_weight(self) -> torch.Tensor:
+        """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction."""
+        return self.hf.get_submodule(self.arch.unembed).weight
+
+    def unembed_weights(self):
+        """The final norm's and the unembedding's weights as plain tensors (what a replica sends)."""
+        from ..unembedding import UnembedWeights
+
+        norm = self.hf.get_submodule(self.arch.final_norm)
+        return UnembedWeights(self.hf.config.to_dict(), self.arch.final_norm,
+                              {k: v.detach().cpu() for k, v in norm.state_dict().items()},
+                              self.unembed_weight().detach().cpu())
+
     def _grad_context(self, detach: bool):
         if detach:
             return torch.no_grad()
@@ -77,14 +91,16 @@ class EagerModel(CaptureModel):
             )
         return contextlib.nullcontext()
 
-    def _recorder(self, addresses, *, detach, stop_early):
-        return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early)
+    def _recorder(self, addresses, *, detach, stop_early, positions=None):
+        return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
+                        positions=positions)
 
-    def _run(self, tokens, addresses, *, detach):
+    def _run(self, tokens, addresses, *, detach, positions=None):
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
         with self._lock, self._grad_context(detach):
-            with self._recorder(addresses, detach=detach, stop_early=not want_logits) as recorder:
+            with self._recorder(addresses, detach=detach, stop_early=not want_logits,
+                                positions=positions) as recorder:
                 try:
                     out = self.hf(
                         input_ids=tokens.clamp(min=0).to(self.device),
@@ -96,11 +112,14 @@ class EagerModel(CaptureModel):
                 except StopForward:
                     pass
         recorded = recorder.result()
+        if positions is not None:  # the selection already left padding out (and zeroed its fill)
+            held = held_positions(positions, mask.sum(dim=1).tolist())
+            return Cache(recorded, tokens, None, self.name, self.backend, held)
         if not mask.all():
             recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
         return Cache(recorded, tokens, mask, self.name, self.backend)
 
-    def _generate(self, tokens, addresses, options: Sampling):
+    def _generate(self, tokens, addresses, options: Sampling, *, positions=None):
         from transformers import DynamicCache
 
         generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
@@ -109,9 +128,9 @@ class EagerModel(CaptureModel):
         past = DynamicCache(config=self.hf.config)
         step_ids = tokens.to(self.device)
         with self._lock, torch.no_grad():
-            with self._recorder(addresses, detach=True, stop_early=False) as recorder:
+            with self._recorder(addresses, detach=True, stop_early=False, positions=positions) as recorder:
                 for _ in range(options.max_tokens):
-                    start = past.get_seq_length()
+                    start = recorder.start = past.get_seq_length()
                     position = torch.arange(start, start + step_ids.shape[1], device=self.device)
                     out = self.hf(input_ids=step_ids, position_ids=position[None], past_key_values=past,
                                   use_cache=True)
@@ -125,13 +144,14 @@ class EagerModel(CaptureModel):
                     step_ids = torch.tensor([[next_id]], device=self.device)
         fed = torch.cat([tokens, torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
         completion = Completion(self.tok.decode(generated), generated, finish)
-        return completion, Cache(recorder.result(), fed, None, self.name, self.backend)
+        held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
+        return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)
 
-    async def _capture(self, tokens, addresses, options):
+    async def _capture(self, tokens, addresses, options, *, positions=None):
         if options is None:
-            cache = await asyncio.to_thread(self._run, tokens, addresses, detach=True)
+            cache = await asyncio.to_thread(self._run, tokens, addresses, detach=True, positions=positions)
         else:
-            _, cache = await asyncio.to_thread(self._generate, tokens, addresses, options)
+            _, cache = await asyncio.to_thread(self._generate, tokens, addresses, options, positions=positions)
         return cache.to_dict()
 
     def close(self):

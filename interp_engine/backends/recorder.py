@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..address import Address, ModelInfo
 from ..archs import Arch
+from ..positions import Selection, gather_positions
 from . import attention
 
 
@@ -41,7 +42,7 @@ _LAYOUTS = {
 
 class Recorder:
     def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
-                 stop_early: bool = False):
+                 stop_early: bool = False, positions: Selection | None = None):
         self.hf = hf_model
         self.arch = arch
         self.info = info
@@ -52,6 +53,10 @@ class Recorder:
         self.chunks: dict[Address, list[torch.Tensor]] = defaultdict(list)
         self._stack = contextlib.ExitStack()
         self._batch = 1
+        self.positions = positions
+        #: the absolute position of this forward's first row (a KV-cached decode step starts later)
+        self.start = 0
+        self._index: tuple | None = None
 
     @property
     def layers(self):
@@ -76,7 +81,28 @@ class Recorder:
         """Record one chunk for ``address`` if it was requested (the model-level logits come
         from the forward's output rather than a hook)."""
         if address in self._wanted:
+            if self.positions is not None:
+                pattern = address.name == "pattern"
+                tensor = gather_positions(tensor, self._rows(tensor.shape[2 if pattern else 1]), pattern=pattern)
             self.chunks[address].append(tensor.detach() if self.detach else tensor)
+
+    def _rows(self, length: int) -> torch.Tensor:
+        """``[batch, k]``: which rows of this forward each sequence keeps (-1: none), computed once
+        per forward. Unselected rows are dropped here, before anything is copied or kept."""
+        key = (self.start, length)
+        if self._index is None or self._index[0] != key:
+            sel, start = self.positions, self.start
+            kept = []
+            for row, wanted in enumerate(sel.rows):
+                local = [p - start for p in wanted if start <= p < start + length]
+                if sel.after[row] is not None:
+                    local += range(max(sel.after[row], start) - start, length)
+                kept.append(local)
+            index = torch.full((len(kept), max(len(k) for k in kept)), -1, dtype=torch.long)
+            for row, local in enumerate(kept):
+                index[row, : len(local)] = torch.tensor(local, dtype=torch.long)
+            self._index = (key, index)
+        return self._index[1]
 
     def _install(self) -> None:
         by_module: dict[tuple[int, str, str], list[Address]] = defaultdict(list)

@@ -28,7 +28,9 @@ from ..archs import arch_for, model_info
 from ..archs.vllm_sites import LOGITS, vllm_sites
 from ..cache import Cache
 from ..model import CaptureModel, Completion, Sampling
+from ..positions import Selection, held_positions
 from ..tokens import InputError, Tokenizer
+from ..unembedding import FetchedUnembedding, UnembedWeights
 from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
 from .vllm_loop import EngineLoop, Finished, Job, run_on_loop
 
@@ -51,13 +53,14 @@ def _sampling_params(options: Sampling | None):
     )
 
 
-class VllmModel(CaptureModel):
+class VllmModel(FetchedUnembedding, CaptureModel):
     backend = "vllm"
     batched = False
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
     def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int):
         self.llm = llm
+        self.hf_config = hf_config
         self.arch = arch_for(hf_config)
         self.sites = vllm_sites(self.arch.family)
         self.info = model_info(hf_config, name)
@@ -97,9 +100,18 @@ class VllmModel(CaptureModel):
             self._weights[layer] = torch.cat(blocks, dim=1)
         return self._weights[layer]
 
+    def _fetch_unembedding(self) -> UnembedWeights:
+        """The final norm (identical on every rank) and the unembedding, its vocabulary shards
+        joined in rank order with vLLM's vocabulary padding cut off."""
+        heads = [self.arch.unembed, "model.embed_tokens"]
+        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
+        weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
+        return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)
+
     def engine_state(self) -> list[dict]:
         """Per rank: ``pending`` requests, ``hooks`` installed now, ``max_batch`` (most captures
-        seen in one forward). An idle engine holds no requests and no hooks."""
+        seen in one forward), ``bytes_returned`` (the rows handed to this process so far). An idle
+        engine holds no requests and no hooks."""
         return run_on_loop(self._loop, "interp_state")
 
     def position_limit(self) -> tuple[int, str]:
@@ -116,53 +128,56 @@ class VllmModel(CaptureModel):
         return tokens, addresses
 
     # -- the calls ------------------------------------------------------------------------------
-    def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None):
+    def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None,
+                positions: Selection | None):
         wire = sorted({str(self._read_as(a)) for a in addresses})
-        job = Job(tokens[0].tolist(), _sampling_params(options), wire)
+        job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire())
         return self._loop.submit(job)
 
-    def _run(self, tokens, addresses, *, detach):
+    def _run(self, tokens, addresses, *, detach, positions=None):
         if not detach:
             raise InputError(
                 "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
                 "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
             )
-        finished = self._submit(tokens, addresses, None).result()
-        return Cache(self._tensors(finished, addresses, tokens.shape[1]), tokens, None, self.name, self.backend)
+        finished = self._submit(tokens, addresses, None, positions).result()
+        return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
 
-    def _generate(self, tokens, addresses, options):
-        finished = self._submit(tokens, addresses, options).result()
-        return self._completion(finished, tokens, addresses)
+    def _generate(self, tokens, addresses, options, *, positions=None):
+        finished = self._submit(tokens, addresses, options, positions).result()
+        return self._completion(finished, tokens, addresses, positions)
 
-    async def _capture(self, tokens, addresses, options):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options))
+    async def _capture(self, tokens, addresses, options, *, positions=None):
+        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions))
         if options is None:
-            return self._tensors(finished, addresses, tokens.shape[1])
-        return self._completion(finished, tokens, addresses)[1].to_dict()
+            return self._cache(finished, tokens, addresses, positions, tokens.shape[1]).to_dict()
+        return self._completion(finished, tokens, addresses, positions)[1].to_dict()
 
-    async def _generate_async(self, tokens, addresses, options):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options))
-        return self._completion(finished, tokens, addresses)
+    async def _generate_async(self, tokens, addresses, options, *, positions=None):
+        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions))
+        return self._completion(finished, tokens, addresses, positions)
 
     def close(self) -> None:
         self._finalizer()
 
     # -- putting ranks together -----------------------------------------------------------------
-    def _completion(self, finished: Finished, tokens, addresses):
+    def _completion(self, finished: Finished, tokens, addresses, positions: Selection | None):
         out = finished.output.outputs[0]
         generated = list(out.token_ids)
         completion = Completion(self.tok.decode(generated), generated, out.finish_reason or "")
         fed = torch.cat([tokens, torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
-        cache = Cache(self._tensors(finished, addresses, fed.shape[1]), fed, None, self.name, self.backend)
-        return completion, cache
+        return completion, self._cache(finished, fed, addresses, positions, tokens.shape[1])
+
+    def _cache(self, finished: Finished, fed, addresses, positions: Selection | None, prompt: int) -> Cache:
+        """The rows the workers kept, checked against the positions asked for."""
+        held = held_positions(positions, [prompt], [fed.shape[1]])
+        tensors = {a: _ordinary(self._assemble(self._read_as(a), finished.ranks, held[0])) for a in addresses}
+        return Cache(tensors, fed, None, self.name, self.backend, None if positions is None else held)
 
     def _read_as(self, address: Address) -> Address:
         if address.name in _SAME_AS and address.name not in self.sites:
             return Address(_SAME_AS[address.name], address.layer)
         return address
-
-    def _tensors(self, finished: Finished, addresses: list[Address], n: int) -> dict[Address, torch.Tensor]:
-        return {a: _ordinary(self._assemble(self._read_as(a), finished.ranks, n)) for a in addresses}
 
     def _holders(self, shard: str) -> list[int]:
         """The ranks whose pieces make up a site, in rank order."""
@@ -173,16 +188,19 @@ class VllmModel(CaptureModel):
             return list(range(0, tp, tp // self.info.n_kv_heads))
         return list(range(tp))
 
-    def _assemble(self, address: Address, ranks: list[dict], n: int) -> torch.Tensor:
+    def _assemble(self, address: Address, ranks: list[dict], wanted: torch.Tensor) -> torch.Tensor:
         read = self.sites.get(address.name)
         pieces = []
         for rank in self._holders(read.shard if read else ""):
-            rows, seen = ranks[rank][str(address)]
-            if rows.shape[0] < n or not bool(seen[:n].all()):
-                raise RuntimeError(
-                    f"[Internal] rank {rank} recorded {int(seen[:n].sum())} of {n} positions for {address}"
-                )
-            pieces.append(rows[:n])
+            rows, positions = ranks[rank][str(address)]
+            beyond = positions > wanted[-1]  # the never fed-back final token, should a worker record it
+            if bool(beyond.any()):
+                rows, positions = rows[~beyond], positions[~beyond]
+            if not torch.equal(positions, wanted):
+                missing = sorted(set(wanted.tolist()) - set(positions.tolist()))
+                raise RuntimeError(f"[Internal] rank {rank} recorded positions {positions.tolist()} for {address}, "
+                                   f"expected {wanted.tolist()} (missing {missing})")
+            pieces.append(rows)
         tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
         if address.name in ("z", "q"):
             tensor = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))

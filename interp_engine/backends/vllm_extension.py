@@ -29,7 +29,7 @@ class CaptureExtension:
             self._interp_state = recorder
         return recorder
 
-    def interp_register(self, requests: dict[str, list[str]]) -> None:
+    def interp_register(self, requests: dict) -> None:
         self._interp_recorder().register(requests)
 
     def interp_take(self, request_ids: list[str]) -> dict:
@@ -40,10 +40,11 @@ class CaptureExtension:
 
     def interp_state(self) -> dict:
         """What this worker holds: registered requests not taken yet, hooks installed now (an
-        idle engine has none), and the most registered requests seen in one forward."""
+        idle engine has none), the most registered requests seen in one forward, and the bytes of
+        every row handed back to the driver so far."""
         recorder = self._interp_recorder()
         return {"pending": sorted(recorder.wanted), "hooks": len(recorder._handles),
-                "max_batch": recorder.max_batch}
+                "max_batch": recorder.max_batch, "bytes_returned": recorder.bytes_returned}
 
     def interp_unreadable_sites(self) -> list[str]:
         """Sites of the table this engine never computes in a readable form (see vllm_moe)."""
@@ -72,3 +73,26 @@ class CaptureExtension:
         with torch.inference_mode():
             identity = torch.eye(width, dtype=linear.params_dtype)
             return linear.quant_method.apply(linear, identity, bias=None).t().contiguous()
+
+    def interp_unembedding(self, norm_path: str, head_paths: list[str]) -> dict:
+        """The final norm's state dict and this rank's vocabulary shard of the unembedding
+        ``[vocab_on_this_rank (padded), d_model]`` (paths relative to the model; the first of
+        ``head_paths`` that exists: a model with tied embeddings may have no ``lm_head`` and
+        unembed with its input embedding)."""
+        model = self._interp_recorder().model
+        norm = {k: v.detach().to("cpu", copy=True) for k, v in model.get_submodule(norm_path).state_dict().items()}
+        head = None
+        for path in head_paths:
+            try:
+                head = model.get_submodule(path)
+                break
+            except AttributeError:
+                continue
+        if head is None:
+            raise RuntimeError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
+        weight = head.weight
+        if not weight.numel():  # repacked for the CPU GEMM kernels: read it back through the layer
+            with torch.inference_mode():
+                identity = torch.eye(head.embedding_dim, dtype=head.params_dtype)
+                return {"norm": norm, "weight": head.quant_method.apply(head, identity).t().contiguous()}
+        return {"norm": norm, "weight": weight.detach().to("cpu", copy=True)}

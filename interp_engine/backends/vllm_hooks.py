@@ -11,6 +11,8 @@ first copy. Nothing is ever sliced by ``seq_lens``.
 
 Requests are *registered* with the points they want before they are first scheduled; only
 registered requests are recorded, so warm-up, profiling and plain generation leave nothing.
+A request registered with a position selection (``positions=`` of the capture call) keeps only
+those rows: the others are dropped here, in the worker, before any copy is made.
 Hooks exist only while some registered request needs them: an idle engine runs unhooked.
 
 Under tensor parallelism every rank runs the same hooks in the same order (the logits are
@@ -48,11 +50,16 @@ class Recorder:
         self.table = vllm_sites(arch.family)
         self.layers = self.model.get_submodule(arch.layers)
         self.wanted: dict[str, frozenset[Address]] = {}
-        # request -> address -> [(forward positions, first row, chunk, offset, length)], in the
-        # order computed; a chunk holds one forward's rows of every request that wanted it
+        # request -> (prompt positions kept, first generated position kept or None)
+        self.filters: dict[str, tuple[torch.Tensor, int | None]] = {}
+        # request -> address -> [(positions of the rows, chunk, offset, length)], in the order
+        # computed; a chunk holds one forward's rows of every request that wanted it
         self.store: dict[str, dict[Address, list]] = {}
-        # this forward's registered requests: (request, first row, end row), and its positions
-        self.batch: list[tuple[str, int, int]] = []
+        # this forward's registered requests: (request, first row, end row, kept rows or None = all,
+        # the positions of the kept rows)
+        self.batch: list[tuple[str, int, int, torch.Tensor | None, torch.Tensor]] = []
+        #: bytes of every row this worker has handed back (what crosses to the driver)
+        self.bytes_returned = 0
         self._positions = torch.empty(0, dtype=torch.long)
         self._selections: dict[tuple, tuple] = {}
         self._uniform: tuple | None = None  # (points, selection) when all requests want the same
@@ -62,22 +69,29 @@ class Recorder:
         self._signatures: dict[int, inspect.Signature] = {}
 
     # -- registry -------------------------------------------------------------------------------
-    def register(self, requests: dict[str, list[str]]) -> None:
-        """``{request id: ["resid_post.3", ...]}``: record these rows from now on."""
-        for rid, points in requests.items():
+    def register(self, requests: dict[str, list[str] | dict]) -> None:
+        """``{request id: ["resid_post.3", ...]}`` or ``{request id: {"points": [...], "positions":
+        [0, 5], "after": 6}}`` (keep prompt positions 0 and 5 and every position from 6 on):
+        record these rows from now on."""
+        for rid, want in requests.items():
+            points = want["points"] if isinstance(want, dict) else want
             self.wanted[rid] = frozenset(parse_address(p) for p in points)
             self.store[rid] = defaultdict(list)
+            if isinstance(want, dict) and want.get("positions") is not None:
+                self.filters[rid] = (torch.tensor(want["positions"], dtype=torch.long), want.get("after"))
         self._rehook()
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """Pop what was recorded for ``request_ids``: ``{rid: {address: (rows, seen)}}`` where
-        ``rows[p]`` is position ``p`` and ``seen[p]`` says whether it was computed (sites this
-        rank does not keep are absent)."""
+        """Pop what was recorded for ``request_ids``: ``{rid: {address: (rows, positions)}}``, the
+        rows in position order, ``positions`` the position of each (sites this rank does not keep
+        are absent)."""
         out = {}
         for rid in request_ids:
             recorded = self.store.pop(rid, {})
             self.wanted.pop(rid, None)
+            self.filters.pop(rid, None)
             out[rid] = {str(a): _dense(chunks) for a, chunks in recorded.items()}
+            self.bytes_returned += sum(r.nbytes + p.nbytes for r, p in out[rid].values())
         self._rehook()
         return out
 
@@ -86,6 +100,7 @@ class Recorder:
         for rid in request_ids:
             self.store.pop(rid, None)
             self.wanted.pop(rid, None)
+            self.filters.pop(rid, None)
         self._rehook()
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -135,17 +150,30 @@ class Recorder:
         batch = self.runner.input_batch
         n = batch.num_reqs
         starts = self.runner.query_start_loc.np[: n + 1]
-        for j, rid in enumerate(batch.req_ids[:n]):
-            if rid in self.wanted:
-                self.batch.append((rid, int(starts[j]), int(starts[j + 1])))
+        spans = [(rid, int(starts[j]), int(starts[j + 1])) for j, rid in enumerate(batch.req_ids[:n])
+                 if rid in self.wanted]
         self._uniform = None
-        if self.batch:
-            wants = {self.wanted[rid] for rid, _, _ in self.batch}
-            if len(wants) == 1:  # the usual case: every request here wants the same points
-                self._uniform = (wants.pop(), self._selection_of(tuple(self.batch)))
+        if spans:
             positions = kwargs["positions"] if "positions" in kwargs else args[1]
             # on the host: the bookkeeping indexes with it (one small copy per forward on a GPU)
             self._positions = positions[: int(starts[n])].to("cpu", copy=True)
+        for rid, s, e in spans:
+            kept, here = None, self._positions[s:e]
+            if rid in self.filters:
+                wanted, after = self.filters[rid]
+                hit = torch.isin(here, wanted)
+                if after is not None:
+                    hit |= here >= after
+                local = hit.nonzero().flatten()
+                if not len(local):
+                    continue  # nothing of this request's forward is selected: nothing is copied
+                if len(local) < e - s:
+                    kept, here = s + local, here[local]
+            self.batch.append((rid, s, e, kept, here))
+        if self.batch:
+            wants = {self.wanted[rid] for rid, *_ in self.batch}
+            if len(wants) == 1:  # the usual case: every request here wants the same points
+                self._uniform = (wants.pop(), self._selection_of(tuple(self.batch)))
         self.max_batch = max(self.max_batch, len(self.batch))
 
     def _selection(self, address: Address):
@@ -155,17 +183,19 @@ class Recorder:
         if self._uniform is not None:
             wanted, selection = self._uniform
             return selection if address in wanted else None
-        spans = tuple((rid, s, e) for rid, s, e in self.batch if address in self.wanted[rid])
+        spans = tuple(span for span in self.batch if address in self.wanted[span[0]])
         return self._selection_of(spans) if spans else None
 
     def _selection_of(self, spans: tuple):
-        found = self._selections.get(spans)
+        key = tuple(span[0] for span in spans)
+        found = self._selections.get(key)
         if found is None:
-            if all(a[2] == b[1] for a, b in zip(spans, spans[1:])):
+            whole = all(span[3] is None for span in spans)
+            if whole and all(a[2] == b[1] for a, b in zip(spans, spans[1:])):
                 selector = slice(spans[0][1], spans[-1][2])
             else:
-                selector = torch.cat([torch.arange(s, e) for _, s, e in spans])
-            found = self._selections[spans] = (selector, spans)
+                selector = torch.cat([torch.arange(s, e) if kept is None else kept for _, s, e, kept, _ in spans])
+            found = self._selections[key] = (selector, spans)
         return found
 
     def _input_hook(self, group: _Group):
@@ -206,9 +236,10 @@ class Recorder:
     def _keep(self, address: Address, selection, chunk: torch.Tensor) -> None:
         """One chunk per forward and address; each request keeps a reference to its rows."""
         offset = 0
-        for rid, s, e in selection[1]:
-            self.store[rid][address].append((self._positions, s, chunk, offset, e - s))
-            offset += e - s
+        for rid, _, _, _, positions in selection[1]:
+            n = len(positions)
+            self.store[rid][address].append((positions, chunk, offset, n))
+            offset += n
 
     def _on_final_hidden(self, module, args, hidden):
         """Logits at every recorded row, through the model's own ``compute_logits``.
@@ -236,19 +267,15 @@ def _select(parts: list[torch.Tensor], selector) -> torch.Tensor:
 
 
 def _dense(entries: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's rows in position order, from ``(positions, first row, chunk, offset, length)``
-    entries in the order computed; a position computed again (recompute after preemption)
-    takes the later value. Returns ``(rows, seen)``."""
-    rows = torch.cat([chunk[o : o + n] for _, _, chunk, o, n in entries]).cpu()
-    positions = torch.cat([pos[s : s + n] for pos, s, _, _, n in entries]).long()
-    width = int(positions.max()) + 1
-    if positions.numel() == width and torch.equal(positions, torch.arange(width)):
-        return rows, torch.ones(width, dtype=torch.bool)
-    out = torch.zeros((width, *rows.shape[1:]), dtype=rows.dtype)
-    seen = torch.zeros(width, dtype=torch.bool)
-    offset = 0
-    for pos, s, _, _, n in entries:  # in order, so a recomputed position is overwritten
-        out[pos[s : s + n].long()] = rows[offset : offset + n]
-        seen[pos[s : s + n].long()] = True
-        offset += n
-    return out, seen
+    """A request's rows in position order, from ``(positions, chunk, offset, length)`` entries in
+    the order computed; a position computed again (recompute after preemption) takes the later
+    value. Returns ``(rows, positions)``: only the positions recorded, each once, ascending."""
+    rows = torch.cat([chunk[o : o + n] for _, chunk, o, n in entries]).cpu()
+    positions = torch.cat([pos for pos, _, _, _ in entries]).long()
+    if positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()):
+        return rows, positions
+    order = torch.sort(positions, stable=True).indices  # equal positions stay in computed order
+    ordered = positions[order]
+    last = torch.ones_like(ordered, dtype=torch.bool)
+    last[:-1] = ordered[1:] != ordered[:-1]  # the latest computation of each position
+    return rows[order[last]], ordered[last]

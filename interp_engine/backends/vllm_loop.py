@@ -39,13 +39,15 @@ class Job:
     prompt: list[int]
     params: Any  # vllm.SamplingParams
     points: list[str]
+    #: ``{"positions": [...], "after": n}``: keep only those rows (None: every row)
+    positions: dict | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     internal_id: str = ""
 
 
 @dataclasses.dataclass
 class Finished:
-    """A finished request: vLLM's ``RequestOutput`` and, per rank, ``{address: (rows, seen)}``."""
+    """A finished request: vLLM's ``RequestOutput`` and, per rank, ``{address: (rows, positions)}``."""
 
     output: Any
     ranks: list[dict]
@@ -120,7 +122,7 @@ class EngineLoop:
 
     def _admit(self, block: bool) -> bool:
         """Take everything posted so far (waiting for one item if ``block``); False on stop."""
-        new: dict[str, list[str]] = {}
+        new: dict[str, dict] = {}
         try:
             item = self._inbox.get() if block else self._inbox.get_nowait()
             while True:
@@ -143,7 +145,7 @@ class EngineLoop:
         self._register(new)
         return True
 
-    def _add(self, job: Job, new: dict[str, list[str]]) -> None:
+    def _add(self, job: Job, new: dict[str, dict]) -> None:
         if job.future.cancelled():
             return
         external = f"interp{next(self._ids)}"
@@ -154,9 +156,9 @@ class EngineLoop:
             return
         self._jobs[external] = job
         if job.points:  # a job without points is plain generation: nothing to register
-            new[job.internal_id] = job.points
+            new[job.internal_id] = {"points": job.points, **(job.positions or {})}
 
-    def _register(self, new: dict[str, list[str]]) -> None:
+    def _register(self, new: dict[str, dict]) -> None:
         if new:
             self.engine.collective_rpc("interp_register", args=(new,))
 

@@ -14,7 +14,8 @@ keep a dense MLP, where ``mlp_post`` is served and the MoE sites are not.
 
 from __future__ import annotations
 
-from . import _LLAMA_SITES, Arch, Hook
+from .base import Arch, Hook
+from .dense import LLAMA_SITES
 
 #: the three outputs of a router, over the flattened ``[batch * pos]`` tokens
 ROUTER_SITES = {
@@ -26,12 +27,12 @@ ROUTER_SITES = {
 #: values of a config's ``mlp_layer_types`` that mean "this layer routes to experts"
 MOE_LAYER_TYPES = ("moe", "hash_moe", "sparse")
 
-ARCHS = [
+ARCHS = (
     # Qwen3-MoE, OLMoE and Mixtral keep Llama's layer layout, with ``mlp`` a sparse MoE block.
-    Arch("qwen3_moe", ("qwen3_moe",), {**_LLAMA_SITES, **ROUTER_SITES}),
-    Arch("olmoe", ("olmoe",), {**_LLAMA_SITES, **ROUTER_SITES}),
-    Arch("mixtral", ("mixtral",), {**_LLAMA_SITES, **ROUTER_SITES}),
-]
+    Arch("qwen3_moe", ("qwen3_moe",), {**LLAMA_SITES, **ROUTER_SITES}),
+    Arch("olmoe", ("olmoe",), {**LLAMA_SITES, **ROUTER_SITES}),
+    Arch("mixtral", ("mixtral",), {**LLAMA_SITES, **ROUTER_SITES}),
+)
 
 
 def moe_layers(config) -> tuple[int, ...]:

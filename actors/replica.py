@@ -36,9 +36,9 @@ class ReplicaSpec:
     torch_threads: int | None = None
 
     def load(self) -> CaptureModel:
-        from interp_engine.loading import load_model
+        from interp_engine.local import load_local
 
-        return load_model(self.name_or_path, self.backend, dtype=self.dtype, device=self.device, **dict(self.options))
+        return load_local(self.name_or_path, self.backend, dtype=self.dtype, device=self.device, **dict(self.options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class ReplicaCore:
 
     def weights_sha256(self) -> str:
         from interp_engine.dataset_manifest import weights_fingerprint
-        from interp_engine.loading import resolve
+        from interp_engine.local import resolve
 
         return weights_fingerprint(resolve(self.spec.name_or_path))
 

@@ -19,6 +19,7 @@ from .analysis import head_contributions as head_contributions
 from .analysis import logit_attribution as logit_attribution
 from .analysis import stack as stack
 from .cache import Cache as Cache
+from .compare import relative_error as relative_error
 from .cluster import ClusterError as ClusterError
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
@@ -38,4 +39,4 @@ from .moe import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID
 from .tokens import InputError as InputError
 
-__version__ = "0.1.0"
+from .version import VERSION as __version__

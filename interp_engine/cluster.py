@@ -348,10 +348,3 @@ def _held(captured):
 
     return None if captured.positions is None else torch.from_numpy(captured.positions.copy())
 
-
-def demo_summary(*args, **kwargs) -> dict:
-    """Start a local cluster, capture through 2 replicas of the embedded SmolLM2, build a small
-    activation dataset and print a summary (see :mod:`.cluster_demo`)."""
-    from .cluster_demo import demo_summary as run
-
-    return run(*args, **kwargs)

@@ -93,7 +93,7 @@ def build_dataset(
     ``"token"`` layout gets one row per kept position, the ``"sequence"`` layout a ``positions``
     column). Every argument is checked, and the prompts read once, before any capture starts.
     """
-    from . import __version__
+    from .version import VERSION as __version__
 
     started = time.perf_counter()
     if layout not in LAYOUTS:

@@ -1,4 +1,5 @@
-"""``load_model``: from a name to a :class:`CaptureModel` on the chosen backend.
+"""``load_model``: from a name to a :class:`CaptureModel` on the chosen backend, in this process
+(:mod:`.local`) or served by replicas on a Ray cluster (:mod:`.cluster`).
 
 A name is resolved without network, in this order: a local folder holding a Hugging Face
 model; the embedded default ``HuggingFaceTB/SmolLM2-135M-Instruct`` (see :mod:`.embedded`); a
@@ -8,61 +9,11 @@ never downloads.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import torch
-
 from . import embedded
+from .local import BACKENDS, ModelNotFound, load_local, resolve
 from .model import CaptureModel
 
-BACKENDS = ("eager", "vllm")
-
-
-class ModelNotFound(FileNotFoundError):
-    """The name is neither a local folder, the embedded model, nor in the local HF cache."""
-
-
-def resolve(name_or_path: str) -> Path:
-    """The local folder that holds ``name_or_path``'s weights and tokenizer."""
-    path = Path(os.path.expanduser(str(name_or_path)))
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFound(f"{path} is a folder but holds no config.json: point at a Hugging Face model folder")
-        return path
-    if str(name_or_path) == embedded.NAME:
-        return embedded.ensure()
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(name_or_path), local_files_only=True, cache_dir=_hub_cache()))
-    except Exception as err:  # huggingface_hub raises several types for "not cached"
-        raise ModelNotFound(
-            f"{name_or_path!r} is not a local folder and not in the local Hugging Face cache "
-            f"({_hub_cache() or '~/.cache/huggingface/hub'}), and this engine never downloads. "
-            f"Pass a folder that holds the model, download it beforehand "
-            f"(huggingface-cli download {name_or_path}), or use the embedded default "
-            f"load_model({embedded.NAME!r}). ({type(err).__name__})"
-        ) from None
-
-
-def _hub_cache() -> str | None:
-    """The HF hub cache as the environment says now (huggingface_hub reads it once, at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.environ["HF_HOME"], "hub")
-    return None
-
-
-def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(table)} or a torch.dtype")
-    return table[dtype]
+__all__ = ["BACKENDS", "ModelNotFound", "load_model", "resolve"]
 
 
 def load_model(
@@ -88,22 +39,5 @@ def load_model(
 
         return load_cluster_model(name_or_path, backend=backend, replicas=replicas, requires_grad=requires_grad,
                                   dtype=dtype, device=device, **backend_options)
-    path = resolve(name_or_path)
-    name = str(name_or_path)
-    if backend == "vllm":
-        if requires_grad:
-            raise ValueError("requires_grad=True is eager-only: vLLM computes no gradients. Use backend='eager'.")
-        from .backends.vllm import load_vllm
-
-        return load_vllm(path, name, dtype=_dtype(dtype), **backend_options)
-    if backend_options:
-        raise TypeError(f"options {sorted(backend_options)} are not eager-backend options")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .backends.eager import EagerModel
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype))
-    if device:
-        hf = hf.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return EagerModel(hf, tokenizer, name, requires_grad=requires_grad)
+    return load_local(name_or_path, backend, requires_grad=requires_grad, dtype=dtype, device=device,
+                      **backend_options)

@@ -9,7 +9,8 @@ import re
 
 import torch
 
-from interp_engine import demo, embedded
+from interp_engine import embedded
+from interp_engine.examples import demo
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ for "The capital of France is" — every layer's ``resid_post`` through the fina
 unembedding — printed and written as a PNG heatmap (and the same table as JSON) under
 ``--out``. Any failed check makes the exit status 1, so CI notices a demo that rots.
 
-    python -m interp_engine.demo [--out DIR] [--model NAME_OR_PATH]
+    python -m interp_engine.examples.demo [--out DIR] [--model NAME_OR_PATH]
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ from pathlib import Path
 
 import torch
 
-from . import embedded
-from .address import Address
-from .analysis import head_contributions
-from .compare import SAME_BACKEND, relative_error
-from .lens import lens_top, logit_lens
-from .loading import load_model
-from .model import capture_generation, run_with_cache
+from interp_engine import (Address, capture_generation, embedded, head_contributions, lens_top, load_model,
+                           logit_lens, run_with_cache)
+from interp_engine.compare import SAME_BACKEND, relative_error
 
 PROMPT = "The capital of France is"
 
@@ -268,7 +264,7 @@ def cluster(model, checks: Checks, out: Path) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m interp_engine.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m interp_engine.examples.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("INTERP_ENGINE_DEMO_OUT", "out"),
                         help="folder for the logit-lens PNG and JSON (default ./out)")
     parser.add_argument("--no-cluster", action="store_true", help="skip the Ray cluster part")

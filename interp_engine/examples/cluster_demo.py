@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .compare import SAME_BACKEND, relative_error
+from interp_engine.compare import SAME_BACKEND, relative_error
 
 PROMPTS = [
     "The capital of France is", "Water boils at", "The largest planet in the solar system is",
@@ -25,10 +25,8 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
     the local model's whole batch within the equality contract of :mod:`.compare`)."""
     import ray
 
-    from .cluster import load_cluster_model
-    from .dataset import build_dataset
-    from .embedded import NAME, cache_dir
-    from .model import run_with_cache
+    from interp_engine import build_dataset, load_model, run_with_cache
+    from interp_engine.embedded import NAME, cache_dir
 
     started = not ray.is_initialized()
     if started:
@@ -40,8 +38,8 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
     threads = torch.get_num_threads() if local is not None else max(1, (os.cpu_count() or 1) // replicas)
     model = None
     try:
-        model = load_cluster_model(NAME, replicas=replicas, cpus_per_replica=min(1.0, cpus / (replicas + 1)),
-                                   torch_threads=threads)
+        model = load_model(NAME, replicas=replicas, cpus_per_replica=min(1.0, cpus / (replicas + 1)),
+                           torch_threads=threads)
         layer = model.n_layers // 2
         points = [f"resid_post.{layer}", f"mlp_out.{layer}"]
         echo(f"cluster: {replicas} replicas of {NAME} ({model.backend}) on {len(set(model.nodes))} node(s)")
@@ -79,8 +77,8 @@ def _compare(local, cache, tokens, points, replicas) -> tuple[bool, float]:
     """(bitwise equal to the local model on each replica's chunk, relative error to the local batch)."""
     import torch
 
-    from .actors.batching import chunk_bounds
-    from .model import run_with_cache
+    from interp_engine import run_with_cache
+    from interp_engine.actors.batching import chunk_bounds
 
     whole = run_with_cache(local, tokens, points)
     chunks = [run_with_cache(local, tokens[a:b], points) for a, b in chunk_bounds(tokens.shape[0], replicas)]

@@ -73,15 +73,11 @@ class ReplicaCore:
         with tempfile.TemporaryDirectory() as tmp:
             self.model.tok.hf.save_pretrained(tmp)
             files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
-        dtype = getattr(self.model, "dtype", None) or getattr(getattr(self.model, "hf", None), "dtype", None)
         return ReplicaFacts(self.model.info, self.model.backend, self.model.batched, frozenset(self.model.unserved),
-                            str(dtype or self.spec.dtype).removeprefix("torch."), self.node, os.getpid(), files)
+                            self.model.dtype, self.node, os.getpid(), files)
 
     def weights_sha256(self) -> str:
-        from interp_engine.dataset_manifest import weights_fingerprint
-        from interp_engine.local import resolve
-
-        return weights_fingerprint(resolve(self.spec.name_or_path))
+        return self.model.facts()["weights_sha256"]
 
     def run(self, tokens: np.ndarray, points: list[str], positions=None) -> Captured:
         """Capture a padded batch (split per prompt where the backend takes one at a time).

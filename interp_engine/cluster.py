@@ -196,6 +196,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         first = facts[0]
         self.info = first.info
         self.backend = first.backend
+        self.dtype = first.model_dtype
         self.unserved = first.unserved
         self.tok = Tokenizer(_tokenizer(first.tokenizer_files))
         self.replica_facts = list(facts)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from .address import check_points, format_address
 from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, tokenizer_fingerprint,
-                               weights_fingerprint, write_json)
+                               write_json)
 from .dataset_prompts import PromptSource
 from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, shard_name, write_shard
 from .positions import check_prompt, check_spec, spec_to_json, width_bound
@@ -102,7 +102,7 @@ def build_dataset(
         raise InputError(f"shard_size must be a positive int, got {shard_size!r}")
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    stored = dtype or (_model_dtype(model) if _model_dtype(model) in DTYPES else "float32")
+    stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
     addresses = check_points(points, model.info, model.backend, model.unserved)
     if layout == "token" and any(a.name == "pattern" for a in addresses):
         raise InputError("'pattern' is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
@@ -201,21 +201,7 @@ def _progress(enabled: bool, scan, stats: list[ShardStats]):
                 dynamic_ncols=True)
 
 
-def _model_dtype(model) -> str:
-    if hasattr(model, "facts"):
-        return model.facts()["model_dtype"]
-    for owner in (model, getattr(model, "hf", None)):
-        dtype = getattr(owner, "dtype", None)
-        if dtype is not None:
-            return str(dtype).removeprefix("torch.")
-    return "float32"
-
-
 def _model_facts(model) -> dict:
-    """Weights hash and dtype: from a replica for cluster models, from the local folder otherwise."""
-    if hasattr(model, "facts"):
-        facts = model.facts()
-        return {"weights_sha256": facts["weights_sha256"], "model_dtype": facts["model_dtype"]}
-    from .loading import resolve
-
-    return {"weights_sha256": weights_fingerprint(resolve(model.name)), "model_dtype": _model_dtype(model)}
+    """Weights hash and dtype, as every model reports them (a cluster model: from a replica)."""
+    facts = model.facts()
+    return {"weights_sha256": facts["weights_sha256"], "model_dtype": facts["model_dtype"]}

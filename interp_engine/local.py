@@ -78,7 +78,9 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
             raise ValueError("requires_grad=True is eager-only: vLLM computes no gradients. Use backend='eager'.")
         from .backends.vllm import load_vllm
 
-        return load_vllm(path, name, dtype=_dtype(dtype), **backend_options)
+        model = load_vllm(path, name, dtype=_dtype(dtype), **backend_options)
+        model.source = path
+        return model
     if backend_options:
         raise TypeError(f"options {sorted(backend_options)} are not eager-backend options")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,4 +91,6 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
     if device:
         hf = hf.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return EagerModel(hf, tokenizer, name, requires_grad=requires_grad)
+    model = EagerModel(hf, tokenizer, name, requires_grad=requires_grad)
+    model.source = path
+    return model

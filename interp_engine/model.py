@@ -111,6 +111,10 @@ class CaptureModel:
     unserved: frozenset[str] = frozenset()
     #: whether a call may carry a batch of several prompts
     batched: bool = True
+    #: the dtype the weights are held in: "float32", "bfloat16" or "float16"
+    dtype: str = "float32"
+    #: the local folder the weights were loaded from (set by the loader; None on a cluster model)
+    source = None
     #: where to send a batch that a one-prompt call refused
     batch_hint: str = "For a padded batch, run_with_cache(model, tokens, points) takes it whole."
 
@@ -156,6 +160,15 @@ class CaptureModel:
         """Every address this model serves on this backend, in forward order (layer by layer,
         sites in the order of the site table, ``logits`` last); ``site`` keeps one site's."""
         return all_points(self.info, self.backend, self.unserved, site)
+
+    def facts(self) -> dict:
+        """What a dataset manifest records about the model: ``model_dtype`` (its weights' dtype)
+        and ``weights_sha256`` (a fingerprint of its weight files, computed once per process)."""
+        from .fingerprint import weights_fingerprint
+
+        if self.source is None:
+            raise NotImplementedError(f"{type(self).__name__} knows no local folder to fingerprint")
+        return {"model_dtype": self.dtype, "weights_sha256": weights_fingerprint(self.source)}
 
     def o_proj_weight(self, layer: int) -> torch.Tensor:
         """The attention output projection of ``layer``, ``[d_model, n_heads * d_head]``."""

@@ -39,6 +39,7 @@ class EagerModel(CaptureModel):
 
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
+        self.dtype = str(hf_model.dtype).removeprefix("torch.")
         self.arch = arch_for(hf_model.config)
         self.info = model_info(hf_model.config, name)
         self.tok = Tokenizer(hf_tokenizer)

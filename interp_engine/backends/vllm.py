@@ -58,8 +58,10 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     batched = False
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
-    def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int):
+    def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int,
+                 dtype: torch.dtype = torch.float32):
         self.llm = llm
+        self.dtype = str(dtype).removeprefix("torch.")
         self.hf_config = hf_config
         self.arch = arch_for(hf_config)
         self.sites = vllm_sites(self.arch.family)
@@ -245,7 +247,7 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         return VllmModel(llm, config, tokenizer, name, max_model_len=max_model_len,
-                         tensor_parallel_size=tensor_parallel_size)
+                         tensor_parallel_size=tensor_parallel_size, dtype=dtype)
     except BaseException:
         stop_engine(llm)
         raise

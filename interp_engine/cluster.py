@@ -12,6 +12,7 @@ and a batch given to a vLLM-backed cluster is split per prompt and joined back p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -153,6 +154,18 @@ def _here():
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
 
 
+@contextlib.contextmanager
+def _user_errors():
+    """A replica's exception reaches the caller as itself (its message already says which replica
+    and shard), not wrapped in Ray's RayTaskError."""
+    import ray
+
+    try:
+        yield
+    except ray.exceptions.RayTaskError as err:
+        raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+
+
 def _cause(err) -> str:
     cause = getattr(err, "cause", None)
     text = str(cause if isinstance(cause, BaseException) else err)
@@ -242,10 +255,12 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
     def _get(self, ref):
         import ray
 
-        try:
+        with _user_errors():
             return ray.get(ref)
-        except ray.exceptions.RayTaskError as err:
-            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+
+    async def _await(self, ref):
+        with _user_errors():
+            return await ref
 
     @staticmethod
     def _points(addresses: list[Address]) -> list[str]:
@@ -277,8 +292,6 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
 
     async def _capture(self, tokens, addresses, options, *, positions=None):
-        import ray
-
         from .actors.wire import unpack_dict
 
         points = self._points(addresses)
@@ -287,23 +300,15 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         else:
             ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options),
                                                     _spec(positions))
-        try:
-            result = await ref
-        except ray.exceptions.RayTaskError as err:
-            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+        result = await self._await(ref)
         return unpack_dict(result.tensors)
 
     async def _generate_async(self, tokens, addresses, options, *, positions=None):
-        import ray
-
         from .actors.wire import unpack_dict
 
         ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options),
                                                 _spec(positions))
-        try:
-            generated = await ref
-        except ray.exceptions.RayTaskError as err:
-            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+        generated = await self._await(ref)
         return self._completion(generated, unpack_dict)
 
     def write_shards(self, spec, source, skip):

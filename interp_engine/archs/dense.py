@@ -1,5 +1,7 @@
 """Site tables of the dense single-stream families: Llama and the families that share its decoder
-layer (Mistral, Qwen2, Qwen3), and Gemma 2 (post-block norms)."""
+layer (Mistral, Qwen2, Qwen3, Phi-3: fused qkv and gate-up projections, but the same modules
+around them), and Gemma 2 (post-block norms). A family whose layers have Llama's module names is
+supported on both backends by adding its ``model_type`` to the Llama row."""
 
 from __future__ import annotations
 
@@ -29,6 +31,6 @@ GEMMA2_SITES = {
 }
 
 ARCHS = (
-    Arch("llama", ("llama", "mistral", "qwen2", "qwen3"), LLAMA_SITES),
+    Arch("llama", ("llama", "mistral", "qwen2", "qwen3", "phi3"), LLAMA_SITES),
     Arch("gemma2", ("gemma2",), GEMMA2_SITES),
 )

@@ -17,7 +17,10 @@ from .cache import Cache as Cache
 from .cluster import ClusterError as ClusterError
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
+from .dataset_integrity import DatasetCorruptError as DatasetCorruptError
+from .dataset_integrity import DatasetRepairWarning as DatasetRepairWarning
 from .dataset_manifest import DatasetExistsError as DatasetExistsError
+from .dataset_uri import StorageError as StorageError
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens

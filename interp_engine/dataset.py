@@ -3,9 +3,10 @@
 ``build_dataset(model, prompts, points, output)`` works with a local model (one process) and
 with a cluster model (``load_model(..., replicas=N)``: replicas capture and write shards in
 parallel). Either way the result is the same files: shard ``i`` holds prompts
-``[i * shard_size, (i + 1) * shard_size)``, its name is fixed by ``i``, and it is written under a
-temporary name and renamed. A rerun with the same arguments skips the finished shards and ends
-with the identical dataset; a different build into the same folder is refused unless
+``[i * shard_size, (i + 1) * shard_size)``, its name is fixed by ``i``, and it is published
+atomically on any store (:mod:`.dataset_store`). A rerun with the same arguments checks the
+shards already there (:mod:`.dataset_integrity`), rewrites any that fail, skips the rest and
+ends with the identical dataset; a different build into the same folder is refused unless
 ``overwrite=True``. See :mod:`.dataset_shard` for the layouts and :mod:`.dataset_manifest` for
 the provenance kept beside the shards.
 """
@@ -13,7 +14,6 @@ the provenance kept beside the shards.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,18 +21,26 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from .address import check_points, format_address
+from .dataset_integrity import DatasetCorruptError, Expected, identity_json, verify_dataset, verify_existing
 from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, tokenizer_fingerprint,
-                               weights_fingerprint, write_json)
+                               weights_fingerprint, write_manifest)
 from .dataset_prompts import PromptSource
 from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, shard_name, write_shard
+from .dataset_store import Store
 from .tokens import InputError
+
+_SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
 
 
 @dataclasses.dataclass(frozen=True)
 class ActivationDataset:
-    """A finished dataset on disk: where it is, what it holds, and how it was built."""
+    """A finished dataset: where it is, what it holds, and how it was built.
 
-    path: Path
+    ``build_dataset`` returns one; :meth:`open` opens one written earlier (checking that every
+    shard is there with its recorded size); :meth:`verify` checks every shard's sha256.
+    """
+
+    path: "Path | str"  # a local Path, or the URI the dataset was written to
     manifest: dict
     rows: int
     shards: int
@@ -40,23 +48,62 @@ class ActivationDataset:
     tokens: int
     seconds: float
     resumed_shards: int = 0
+    repaired: tuple[str, ...] = ()  # shards a resume found bad and rewrote
+    store: Store | None = None
+
+    @classmethod
+    def open(cls, output, *, filesystem=None, verify: bool = False) -> "ActivationDataset":
+        """Open a finished dataset (local path, URI or ``(filesystem, path)``). Raises
+        :class:`DatasetCorruptError` if a shard is missing or has the wrong size (with
+        ``verify=True``: the wrong sha256)."""
+        store = Store.of(output, filesystem)
+        manifest = read_manifest(store)
+        if manifest is None:
+            raise FileNotFoundError(f"no dataset at {store.location()!r} (no {MANIFEST}); build one with build_dataset")
+        if manifest.get("status") != "complete":
+            raise DatasetCorruptError(f"the build at {store.location()!r} has not finished (status "
+                                      f"{manifest.get('status')!r}); rerun the same build_dataset call to finish it")
+        verify_dataset(store, manifest, full=verify)
+        result = manifest["result"]
+        return cls(_where(store), manifest, result["rows"], result["shards"], result["prompts"], result["tokens"],
+                   0.0, store=store)
 
     @property
-    def files(self) -> list[Path]:
+    def _store(self) -> Store:
+        return self.store if self.store is not None else Store.of(self.path)
+
+    @property
+    def names(self) -> list[str]:
         n = self.manifest["identity"]["n_shards"]
-        return [self.path / shard_name(i, n) for i in range(n)]
+        return [shard_name(i, n) for i in range(n)]
+
+    @property
+    def files(self) -> list:
+        """The shard files: local Paths, or URIs for a dataset on object storage."""
+        store = self._store
+        return [Path(store.key(n)) if store.is_local else store.location(n) for n in self.names]
+
+    def verify(self) -> None:
+        """Check every shard's size and sha256 against the manifest; raise
+        :class:`DatasetCorruptError` naming the shards that differ."""
+        verify_dataset(self._store, self.manifest, full=True)
 
     def to_arrow(self):
-        return pq.read_table([str(f) for f in self.files])
+        store = self._store
+        return pq.read_table([store.key(n) for n in self.names], filesystem=store.fs)
 
     def to_pandas(self):
         return self.to_arrow().to_pandas()
 
-    def to_ray(self):
-        """The dataset as a Ray Dataset (needs a connected or local Ray)."""
-        import ray.data
+    def to_ray(self, *, num_cpus: float = 0, wait_s: float = 30.0):
+        """The dataset as a Ray Dataset, read lazily shard by shard (see :mod:`.dataset_ray`).
 
-        return ray.data.read_parquet([str(f) for f in self.files])
+        Read tasks reserve ``num_cpus`` CPUs each, 0 by default, so they run while model replicas
+        hold every CPU of the cluster; given more, a read that cannot get them within ``wait_s``
+        seconds raises a :class:`~interp_engine.ClusterError` saying what holds them."""
+        from .dataset_ray import to_ray
+
+        return to_ray(self, num_cpus=num_cpus, wait_s=wait_s)
 
     def tensor(self, point) -> "object":
         """One point's column as a torch tensor ``[rows, ...]`` in its stored dtype."""
@@ -80,6 +127,7 @@ def build_dataset(
     overwrite: bool = False,
     text_key: str = "text",
     progress: bool = True,
+    filesystem=None,
 ) -> ActivationDataset:
     """Capture ``points`` for every prompt and write them under ``output`` as Parquet.
 
@@ -103,7 +151,7 @@ def build_dataset(
     if layout == "token" and any(a.name == "pattern" for a in addresses):
         raise InputError("'pattern' is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
     source = PromptSource.of(prompts, text_key)
-    scan = source.scan(model.tok.encode, model.info.n_ctx)
+    scan = source.scan(model.tok.encode, model.info.n_ctx, shard_size)
     n_shards = -(-scan.count // shard_size)
     identity = {
         "format": FORMAT,
@@ -121,20 +169,28 @@ def build_dataset(
         "shard_size": shard_size,
         "n_shards": n_shards,
     }
-    out = Path(output).expanduser().resolve()
-    done = prepare_output(out, identity, n_shards, overwrite=overwrite)
-    spec = ShardSpec(str(out), tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
-                     json.dumps(identity, sort_keys=True))
-    manifest = {"identity": identity, "status": "building", "prompts_source": source.label}
-    write_json(out / MANIFEST, manifest)
+    store = Store.of(output, filesystem)
+    records, present, sizes = prepare_output(store, identity, n_shards, overwrite=overwrite)
+    spec = ShardSpec(store, tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
+                     identity_json(identity))
+    expected = {i: Expected(_shard_rows(scan, i, shard_size, layout), spec.metadata) for i in present}
+    good, repaired = verify_existing(store, present, sizes, records, expected)
+    manifest = {"identity": identity, "status": "building", "prompts_source": source.label,
+                "shards": {shard_name(i, n_shards): rec for i, rec in good.items()}}
+    write_manifest(store, manifest)
 
-    stats = list(_existing(out, spec, done))
+    stats = [ShardStats(i, _shard_prompts(scan, i, shard_size), scan.shard_tokens[i], rec["rows"], rec["bytes"],
+                        rec["sha256"]) for i, rec in sorted(good.items())]
     bar = _progress(progress, scan, stats)
-    t0 = time.perf_counter()
+    t0 = last_saved = time.perf_counter()
     new_tokens = 0
-    for shard in _run_shards(model, spec, source, done):
+    for shard in _run_shards(model, spec, source, set(good)):
         stats.append(shard)
+        manifest["shards"][shard_name(shard.index, n_shards)] = shard.record()
         new_tokens += shard.tokens
+        if time.perf_counter() - last_saved > _SAVE_EVERY_S:  # records survive a driver kill
+            write_manifest(store, manifest)
+            last_saved = time.perf_counter()
         if bar is not None:
             bar.update(shard.prompts)
             bar.set_postfix(tokens_per_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
@@ -146,8 +202,10 @@ def build_dataset(
     seconds = time.perf_counter() - started
     result = {"rows": rows, "shards": n_shards, "prompts": scan.count, "tokens": scan.tokens,
               "files": [shard_name(i, n_shards) for i in range(n_shards)]}
-    write_json(out / MANIFEST, {**manifest, "status": "complete", "result": result})
-    return ActivationDataset(out, read_manifest(out), rows, n_shards, scan.count, scan.tokens, seconds, len(done))
+    manifest.update(status="complete", result=result)
+    write_manifest(store, manifest)
+    return ActivationDataset(_where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
+                             tuple(repaired), store)
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:
@@ -158,22 +216,16 @@ def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) ->
         yield write_shard(model, spec, index, texts)
 
 
-def _existing(out: Path, spec: ShardSpec, done: set[int]) -> Iterator[ShardStats]:
-    for index in sorted(done):
-        meta = pq.read_metadata(out / shard_name(index, spec.n_shards))
-        prompts = min(spec.shard_size, spec_prompts(spec) - index * spec.shard_size)
-        tokens = _tokens_in(out / shard_name(index, spec.n_shards), spec.layout, meta.num_rows)
-        yield ShardStats(index, prompts, tokens, meta.num_rows, (out / shard_name(index, spec.n_shards)).stat().st_size)
+def _shard_prompts(scan, index: int, shard_size: int) -> int:
+    return min(shard_size, scan.count - index * shard_size)
 
 
-def spec_prompts(spec: ShardSpec) -> int:
-    return json.loads(spec.metadata)["n_prompts"]
+def _shard_rows(scan, index: int, shard_size: int, layout: str) -> int:
+    return scan.shard_tokens[index] if layout == "token" else _shard_prompts(scan, index, shard_size)
 
 
-def _tokens_in(path: Path, layout: str, rows: int) -> int:
-    if layout == "token":
-        return rows
-    return int(pq.read_table(path, columns=["length"]).column("length").to_numpy().sum())
+def _where(store: Store):
+    return Path(store.root) if store.is_local else store.location()
 
 
 def _progress(enabled: bool, scan, stats: list[ShardStats]):

@@ -29,6 +29,7 @@ class Scan:
     sha256: str
     max_length: int
     tokens: int
+    shard_tokens: tuple[int, ...] = ()  # real tokens per shard of ``shard_size`` prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +135,12 @@ class PromptSource:
             if index not in skip:
                 yield index, chunk
 
-    def scan(self, encode, n_ctx: int) -> Scan:
-        """Check every prompt (a non-empty string that fits the model) and fingerprint the set."""
+    def scan(self, encode, n_ctx: int, shard_size: int = 1) -> Scan:
+        """Check every prompt (a non-empty string that fits the model), fingerprint the set and
+        count the tokens of each shard."""
         digest = hashlib.sha256()
         count = max_length = tokens = 0
+        shard_tokens: list[int] = []
         for i, text in enumerate(self):
             if not isinstance(text, str) or not text:
                 raise PromptsError(f"prompt {i} of {self.label} is empty or not a string ({text!r}); "
@@ -148,9 +151,12 @@ class PromptSource:
                                    f"positions; shorten or drop it")
             digest.update(text.encode("utf-8"))
             digest.update(b"\0")
+            if count % shard_size == 0:
+                shard_tokens.append(0)
+            shard_tokens[-1] += n
             count += 1
             tokens += n
             max_length = max(max_length, n)
         if count == 0:
             raise PromptsError(f"{self.label} holds no prompts; a dataset needs at least one")
-        return Scan(count, digest.hexdigest(), max_length, tokens)
+        return Scan(count, digest.hexdigest(), max_length, tokens, tuple(shard_tokens))

@@ -2,8 +2,8 @@
 
 A shard is a pure function of its prompts and the dataset's settings, so a shard computed twice
 (a replica died after writing, the driver was killed and the build rerun) is the same file.
-Files are written under a temporary name and renamed into place: a shard file that exists is
-complete.
+Files are published atomically (:mod:`.dataset_store`): a shard file that exists is complete,
+and its sha256 goes into the manifest (:mod:`.dataset_integrity`).
 
 Layouts:
 
@@ -23,10 +23,9 @@ pattern (``uint16``) and marked in the field metadata, so it is kept bit for bit
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import os
-import uuid
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +34,9 @@ import torch
 
 from .address import Address, parse_address
 from .tokens import pad_batch
+
+if TYPE_CHECKING:
+    from .dataset_store import Store
 
 LAYOUTS = ("sequence", "token")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,7 +48,7 @@ _ADDRESS_KEY = b"interp_engine.address"
 class ShardSpec:
     """Everything a replica needs to write any shard of one dataset."""
 
-    output: str
+    store: "Store"
     points: tuple[str, ...]
     layout: str
     dtype: str
@@ -55,8 +57,8 @@ class ShardSpec:
     shard_size: int
     metadata: str = ""  # the manifest identity, embedded in every file's schema
 
-    def path(self, index: int) -> Path:
-        return Path(self.output) / shard_name(index, self.n_shards)
+    def name(self, index: int) -> str:
+        return shard_name(index, self.n_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,10 @@ class ShardStats:
     tokens: int
     rows: int
     bytes: int
+    sha256: str = ""
+
+    def record(self) -> dict:
+        return {"rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
 
 
 def shard_name(index: int, n_shards: int) -> str:
@@ -117,17 +123,19 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
 
 
 def write_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-    """Capture ``texts`` (prompts ``index * shard_size ...``) and write shard ``index``."""
+    """Capture ``texts`` (prompts ``index * shard_size ...``) and publish shard ``index``."""
     table, n_tokens = capture_table(model, spec, index, texts)
-    final = spec.path(index)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return ShardStats(index, len(texts), n_tokens, table.num_rows, final.stat().st_size)
+    data = shard_bytes(table)
+    spec.store.write(spec.name(index), data)
+    return ShardStats(index, len(texts), n_tokens, table.num_rows, len(data), hashlib.sha256(data).hexdigest())
+
+
+def shard_bytes(table: pa.Table) -> bytes:
+    """The Parquet file of one shard, in memory: hashed, then published in one write. Every data
+    page carries a CRC32, so a reader with page verification on catches flipped bytes."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, write_page_checksum=True)
+    return sink.getvalue().to_pybytes()
 
 
 def _meta(address: Address, dtype: str) -> dict[bytes, bytes]:

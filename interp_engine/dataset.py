@@ -27,6 +27,7 @@ from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, 
 from .dataset_prompts import PromptSource
 from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, shard_name, write_shard
 from .dataset_store import Store
+from .dataset_uri import check_access
 from .tokens import InputError
 
 _SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
@@ -150,6 +151,7 @@ def build_dataset(
     addresses = check_points(points, model.info, model.backend, model.unserved)
     if layout == "token" and any(a.name == "pattern" for a in addresses):
         raise InputError("'pattern' is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
+    store = Store.of(output, filesystem)  # the name only: no I/O yet
     source = PromptSource.of(prompts, text_key)
     scan = source.scan(model.tok.encode, model.info.n_ctx, shard_size)
     n_shards = -(-scan.count // shard_size)
@@ -169,7 +171,7 @@ def build_dataset(
         "shard_size": shard_size,
         "n_shards": n_shards,
     }
-    store = Store.of(output, filesystem)
+    check_access(store, explicit=filesystem is not None or isinstance(output, tuple))
     records, present, sizes = prepare_output(store, identity, n_shards, overwrite=overwrite)
     spec = ShardSpec(store, tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
                      identity_json(identity))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .dataset_shard import shard_name
 
-FORMAT = "interp_engine.dataset/1"
+FORMAT = "interp_engine.dataset/2"  # 2: nested fixed-size lists, bf16 as exact float32
 MANIFEST = "_manifest.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
@@ -72,14 +72,15 @@ def prepare_output(store, identity: dict, n_shards: int, *, overwrite: bool) -> 
     dataset's files are removed). A folder with files but no manifest is never touched.
     Returns ``(shard records, {index: name} of shard files present, {name: size} of every file)``.
     """
+    from .dataset_uri import check_writable
+
     if store.is_file():
         raise DatasetExistsError(f"output {store.location()!r} is a file; pass a folder path for the dataset")
-    store.make_root()
     sizes = store.list()
     manifest = read_manifest(store)
     ours = [n for n in sizes if _is_ours(n)]
     foreign = [n for n in sizes if not _is_ours(n)]
-    if manifest is None and sizes:
+    if manifest is None and any(".tmp-" not in n for n in sizes):
         raise DatasetExistsError(
             f"output {store.location()!r} already holds files ({', '.join(sorted(ours)[:3] + foreign[:3])}) "
             f"but no {MANIFEST}: it is not a dataset this engine wrote. Pick an empty or new folder."
@@ -90,6 +91,8 @@ def prepare_output(store, identity: dict, n_shards: int, *, overwrite: bool) -> 
                 f"output {store.location()!r} holds a different dataset ({_diff(manifest.get('identity') or {}, identity)}). "
                 f"Pick another output folder, or pass overwrite=True to replace it."
             )
+    check_writable(store)  # after the refusals above, before anything is removed or written
+    if manifest is not None and manifest.get("identity") != identity:
         for name in ours:
             store.delete(name)
         manifest, sizes = None, {}

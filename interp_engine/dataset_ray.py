@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
+
+from .dataset_columns import to_numpy
 
 
 def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
@@ -40,7 +44,7 @@ def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
     names = dataset.names
 
     def read(key):
-        return [pq.read_table(key, filesystem=store.fs)]
+        return [as_tensors(pq.read_table(key, filesystem=store.fs))]
 
     class ShardSource(Datasource):
         def estimate_inmemory_data_size(self):
@@ -57,6 +61,16 @@ def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
             return "ActivationDataset"
 
     return ray.data.read_datasource(ShardSource(), num_cpus=num_cpus)
+
+
+def as_tensors(table: pa.Table) -> pa.Table:
+    """Nested fixed-size-list columns as Arrow tensor columns, which Ray Data hands out as numpy
+    arrays of their shape (bf16 columns stay their exact float32 values)."""
+    for i, field in enumerate(table.schema):
+        if pa.types.is_fixed_size_list(field.type):
+            array = pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(to_numpy(table.column(i))))
+            table = table.set_column(i, pa.field(field.name, array.type, metadata=field.metadata), array)
+    return table
 
 
 def _wait_for_cpus(num_cpus: float, wait_s: float) -> None:

@@ -13,11 +13,8 @@ Layouts:
 - ``"token"``: one row per real position. Columns ``prompt_index``, ``position``, ``token`` and
   one tensor column per point holding that position's ``[...]``.
 
-Tensor columns are Arrow ``fixed_shape_tensor`` columns: pyarrow and Ray Data read them back
-with their shapes; pandas sees flat arrays, reshaped with :func:`column_shape`. Floating points
-are stored in the dataset's dtype; ``bfloat16``, which Arrow lacks, is stored as its raw 16-bit
-pattern (``uint16``) and marked in the field metadata, so it is kept bit for bit;
-:func:`read_tensor` turns any tensor column back into a torch tensor of the right dtype.
+Tensor columns are nested fixed-size lists that every consumer reads, bf16 as exact float32
+(see :mod:`.dataset_columns`); :func:`read_tensor` gives back torch tensors in the captured dtype.
 """
 
 from __future__ import annotations
@@ -29,19 +26,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from .address import Address, parse_address
+from .dataset_columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
+from .dataset_columns import encode, field_metadata, nested, write_bytes
 from .tokens import pad_batch
 
 if TYPE_CHECKING:
     from .dataset_store import Store
 
 LAYOUTS = ("sequence", "token")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_KEY = b"interp_engine.dtype"
-_ADDRESS_KEY = b"interp_engine.address"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,16 +94,19 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
         columns[name] = array
         fields.append(pa.field(name, array.type, metadata=metadata))
 
+    def add_tensor(name, tensor):
+        array, dtype = encode(tensor, spec.dtype)
+        add(name, nested(array), field_metadata(name, dtype, array.shape[1:]))
+
     if spec.layout == "sequence":
         from interp_engine.actors.batching import pad_positions, pad_tokens
 
         add("prompt_index", pa.array(np.arange(first, first + len(rows), dtype=np.int64)))
         add("length", pa.array(lengths.numpy().astype(np.int32)))
-        add("tokens", _tensor_array(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))
+        add("tokens", nested(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))
         for address in addresses:
             data = pad_positions(cache[address], address, spec.max_length)
-            array, dtype = _encode(data, spec.dtype)
-            add(str(address), _tensor_array(array), _meta(address, dtype))
+            add_tensor(str(address), data)
     else:
         mask = cache.mask
         b_idx, p_idx = mask.nonzero(as_tuple=True)
@@ -116,8 +114,7 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
         add("position", pa.array(p_idx.numpy().astype(np.int32)))
         add("token", pa.array(tokens[mask].numpy().astype(np.int32)))
         for address in addresses:
-            array, dtype = _encode(cache[address][mask], spec.dtype)
-            add(str(address), _tensor_array(array), _meta(address, dtype))
+            add_tensor(str(address), cache[address][mask])
     schema = pa.schema(fields, metadata={b"interp_engine.manifest": spec.metadata.encode()})
     return pa.Table.from_arrays(list(columns.values()), schema=schema), int(lengths.sum())
 
@@ -131,48 +128,8 @@ def write_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> ShardSt
 
 
 def shard_bytes(table: pa.Table) -> bytes:
-    """The Parquet file of one shard, in memory: hashed, then published in one write. Every data
-    page carries a CRC32, so a reader with page verification on catches flipped bytes."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, write_page_checksum=True)
-    return sink.getvalue().to_pybytes()
-
-
-def _meta(address: Address, dtype: str) -> dict[bytes, bytes]:
-    return {_ADDRESS_KEY: str(address).encode(), _DTYPE_KEY: dtype.encode()}
-
-
-def _encode(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, str]:
-    tensor = tensor.detach().cpu()
-    if not tensor.is_floating_point():
-        return tensor.numpy(), str(tensor.dtype).removeprefix("torch.")
-    tensor = tensor.to(DTYPES[dtype]).contiguous()
-    if dtype == "bfloat16":
-        return tensor.view(torch.int16).numpy().view(np.uint16), dtype
-    return tensor.numpy(), dtype
-
-
-def _tensor_array(array: np.ndarray) -> pa.Array:
-    if array.ndim == 1:
-        array = array[:, None]
-    return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(array))
-
-
-def column_shape(schema: pa.Schema, name: str) -> tuple[int, ...]:
-    """The per-row shape of tensor column ``name`` (what pandas flattens)."""
-    return tuple(schema.field(name).type.shape)
-
-
-def read_tensor(table: pa.Table, name: str) -> torch.Tensor:
-    """Column ``name`` of a dataset table as one ``[rows, *shape]`` torch tensor, in the dtype it
-    was captured in (``bfloat16`` columns viewed back from their bit pattern)."""
-    field = table.schema.field(name)
-    column = table.column(name).combine_chunks()
-    array = column.to_numpy_ndarray() if isinstance(column, pa.FixedShapeTensorArray) else column.to_numpy()
-    tensor = torch.from_numpy(np.array(array, copy=True))
-    if (field.metadata or {}).get(_DTYPE_KEY) == b"bfloat16":
-        tensor = tensor.view(torch.int16).view(torch.bfloat16)
-    return tensor
+    """The Parquet file of one shard, in memory: hashed, then published in one write."""
+    return write_bytes(table)
 
 
 def read_json_metadata(schema: pa.Schema) -> dict:

@@ -63,8 +63,8 @@ def test_bf16_model_is_stored_bit_for_bit(tiny_path, tmp_path):
     model = load_model(str(tiny_path("llama")), dtype="bfloat16")
     ds = build_dataset(model, PROMPTS[:3], ["resid_post.1"], tmp_path / "b", layout="token", progress=False)
     assert ds.manifest["identity"]["dtype"] == "bfloat16"
-    field = pq.read_schema(ds.files[0]).field("resid_post.1")
-    assert field.type.value_type == pa.uint16() and field.metadata[b"interp_engine.dtype"] == b"bfloat16"
+    field = pq.read_schema(ds.files[0]).field("resid_post.1")  # exact float32 values, marked bf16
+    assert field.type.value_type == pa.float32() and field.metadata[b"interp_engine.dtype"] == b"bfloat16"
     stored = ds.tensor("resid_post.1")
     tokens = model.tok.to_tokens(PROMPTS[:3])
     cache = run_with_cache(model, tokens, ["resid_post.1"])

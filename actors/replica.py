@@ -94,7 +94,7 @@ class ReplicaCore:
                          pack_dict(cache.to_dict()), cache.tokens.numpy())
 
     def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-        return write_shard(self.model, spec, index, texts)
+        return dataclasses.replace(write_shard(self.model, spec, index, texts), replica=self.index, pid=os.getpid())
 
     def o_proj_weight(self, layer: int):
         from .wire import Packed

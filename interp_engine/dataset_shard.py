@@ -64,9 +64,13 @@ class ShardStats:
     rows: int
     bytes: int
     sha256: str = ""
+    replica: int = -1  # which replica wrote it (-1: the driver's own model), and its process
+    pid: int = 0
 
     def record(self) -> dict:
-        return {"rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+        """The manifest's record: what integrity checks use, and who wrote it."""
+        rec = {"rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+        return rec if self.replica < 0 else {**rec, "replica": self.replica, "pid": self.pid}
 
 
 def shard_name(index: int, n_shards: int) -> str:

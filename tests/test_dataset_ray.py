@@ -19,7 +19,7 @@ PROMPTS = [f"Note {i}: " + "alpha beta " * (1 + i % 4) for i in range(12)]
 @pytest.fixture(scope="module")
 def busy(tiny_path):
     """2 CPUs, both held by the replicas (cpus_per_replica defaults to 1)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     model = load_model(str(tiny_path("llama")), replicas=2, torch_threads=1)
     assert ray.available_resources().get("CPU", 0) == 0
     yield model

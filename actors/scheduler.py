@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from interp_engine.cluster import ClusterError
+from interp_engine.cluster import ShardFailed
 
 from .wire import relabel, where
 
@@ -60,10 +60,6 @@ class Executor(Protocol):
 
     def result(self, future) -> Any:
         """The call's value; raises :class:`ReplicaDied` if its replica is gone, else the call's error."""
-
-
-class ShardFailed(ClusterError):
-    """One shard failed ``max_attempts`` times (its replica died, or it raised a non-input error)."""
 
 
 PROBE_EVERY_S = 0.5  # how often a restarting replica is asked whether it is back

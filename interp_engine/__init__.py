@@ -15,6 +15,7 @@ from .address import to_address as to_address
 from .analysis import head_contributions as head_contributions
 from .cache import Cache as Cache
 from .cluster import ClusterError as ClusterError
+from .cluster import ShardFailed as ShardFailed
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
 from .dataset_integrity import DatasetCorruptError as DatasetCorruptError

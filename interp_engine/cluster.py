@@ -27,6 +27,11 @@ class ClusterError(RuntimeError):
     """The cluster cannot serve the request (too few resources, replicas that failed to start)."""
 
 
+class ShardFailed(ClusterError):
+    """One shard of the work failed ``max_attempts`` times (its replicas died under it, or it
+    raised something other than an input error); the message names the shard and replicas."""
+
+
 def connect() -> None:
     """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one."""
     import ray

@@ -18,6 +18,7 @@ from .cluster import ClusterError as ClusterError
 from .cluster import ShardFailed as ShardFailed
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
+from .dataset_export import export_saelens as export_saelens
 from .dataset_integrity import DatasetCorruptError as DatasetCorruptError
 from .dataset_integrity import DatasetRepairWarning as DatasetRepairWarning
 from .dataset_manifest import DatasetExistsError as DatasetExistsError

@@ -106,6 +106,20 @@ class ActivationDataset:
 
         return to_ray(self, num_cpus=num_cpus, wait_s=wait_s)
 
+    def loader(self, point, batch_size: int, **options):
+        """A streaming torch ``IterableDataset`` of ``[batch_size, *shape]`` token rows of
+        ``point`` (shuffle buffer across sequences, DDP rank split; see :mod:`.dataset_loader`)."""
+        from .dataset_loader import ShardLoader
+
+        return ShardLoader(self, _point_name(point), batch_size, **options)
+
+    def export_saelens(self, out_dir, point, context_size: int, **options):
+        """Write ``point`` as a folder SAELens's ``ActivationsStore(cached_activations_path=...)``
+        loads (see :mod:`.dataset_export`); returns its path."""
+        from .dataset_export import export_saelens
+
+        return export_saelens(self, out_dir, _point_name(point), context_size, **options)
+
     def tensor(self, point) -> "object":
         """One point's column as a torch tensor ``[rows, ...]`` in its stored dtype."""
         return read_tensor(self.to_arrow(), format_address(point) if not isinstance(point, str) else point)
@@ -216,6 +230,10 @@ def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) ->
         return
     for index, texts in source.shards(spec.shard_size, done):
         yield write_shard(model, spec, index, texts)
+
+
+def _point_name(point) -> str:
+    return point if isinstance(point, str) else format_address(point)
 
 
 def _shard_prompts(scan, index: int, shard_size: int) -> int:

@@ -92,7 +92,7 @@ class CoordinatorCore:
     def build(self, build_id: str, spec: ShardSpec, source, skip: set[int]) -> int:
         """Write every shard not in ``skip``; returns how many were written. ``progress(build_id)``
         lists the shards written so far."""
-        shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip))
+        shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip, spec.order()))
         scheduler = self._scheduler()
         written = 0
         with self._lock:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from .address import check_points, format_address
@@ -143,14 +144,20 @@ def build_dataset(
     text_key: str = "text",
     progress: bool = True,
     filesystem=None,
+    shuffle: bool = False,
+    seed: int = 0,
 ) -> ActivationDataset:
     """Capture ``points`` for every prompt and write them under ``output`` as Parquet.
 
     ``prompts``: a list of strings, a ``.jsonl``/``.parquet`` path (field ``text_key``) or a Ray
     Dataset. ``layout``: ``"sequence"`` (a row per prompt) or ``"token"`` (a row per position).
     ``dtype``: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (default: the model's own, so a
-    bf16 model is stored bit for bit). Every argument is checked, and the prompts read once,
-    before any capture starts.
+    bf16 model is stored bit for bit). ``output``: a local path, a URI (``s3://bucket/prefix``,
+    ``gs://...``, ``file://...``) or ``(pyarrow.fs.FileSystem, path)``; ``filesystem=`` gives the
+    filesystem explicitly. ``shuffle=True``: shard ``i`` holds a fixed random set of prompts
+    (``seed``) and its token rows are permuted, so rows mix tokens of many sequences; a rerun
+    writes the same files. Every argument is checked, the prompts read once and the destination
+    probed before any capture starts.
     """
     from . import __version__
 
@@ -159,6 +166,10 @@ def build_dataset(
         raise InputError(f"unknown layout {layout!r}; use 'sequence' (a row per prompt) or 'token' (a row per position)")
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise InputError(f"shard_size must be a positive int, got {shard_size!r}")
+    if not isinstance(shuffle, bool):
+        raise InputError(f"shuffle must be True or False, got {shuffle!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InputError(f"seed must be an int >= 0, got {seed!r}")
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (_model_dtype(model) if _model_dtype(model) in DTYPES else "float32")
@@ -184,18 +195,20 @@ def build_dataset(
         "max_length": scan.max_length,
         "shard_size": shard_size,
         "n_shards": n_shards,
+        "shuffle_seed": seed if shuffle else None,
     }
     check_access(store, explicit=filesystem is not None or isinstance(output, tuple))
     records, present, sizes = prepare_output(store, identity, n_shards, overwrite=overwrite)
     spec = ShardSpec(store, tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
-                     identity_json(identity))
-    expected = {i: Expected(_shard_rows(scan, i, shard_size, layout), spec.metadata) for i in present}
+                     identity_json(identity), scan.count, seed if shuffle else None)
+    shard_tokens = _shard_tokens(scan, spec)
+    expected = {i: Expected(_shard_rows(shard_tokens, scan, i, shard_size, layout), spec.metadata) for i in present}
     good, repaired = verify_existing(store, present, sizes, records, expected)
     manifest = {"identity": identity, "status": "building", "prompts_source": source.label,
                 "shards": {shard_name(i, n_shards): rec for i, rec in good.items()}}
     write_manifest(store, manifest)
 
-    stats = [ShardStats(i, _shard_prompts(scan, i, shard_size), scan.shard_tokens[i], rec["rows"], rec["bytes"],
+    stats = [ShardStats(i, _shard_prompts(scan, i, shard_size), shard_tokens[i], rec["rows"], rec["bytes"],
                         rec["sha256"]) for i, rec in sorted(good.items())]
     bar = _progress(progress, scan, stats)
     t0 = last_saved = time.perf_counter()
@@ -228,7 +241,7 @@ def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) ->
     if hasattr(model, "write_shards"):  # a cluster model: replicas write the shards
         yield from model.write_shards(spec, source, done)
         return
-    for index, texts in source.shards(spec.shard_size, done):
+    for index, texts in source.shards(spec.shard_size, done, spec.order()):
         yield write_shard(model, spec, index, texts)
 
 
@@ -240,8 +253,16 @@ def _shard_prompts(scan, index: int, shard_size: int) -> int:
     return min(shard_size, scan.count - index * shard_size)
 
 
-def _shard_rows(scan, index: int, shard_size: int, layout: str) -> int:
-    return scan.shard_tokens[index] if layout == "token" else _shard_prompts(scan, index, shard_size)
+def _shard_tokens(scan, spec: ShardSpec) -> list[int]:
+    order = spec.order()
+    if order is None:
+        return list(scan.shard_tokens)
+    lengths = np.frombuffer(scan.lengths, dtype=np.int32) if len(scan.lengths) else np.zeros(0, np.int32)
+    return [int(lengths[order[i * spec.shard_size:(i + 1) * spec.shard_size]].sum()) for i in range(spec.n_shards)]
+
+
+def _shard_rows(shard_tokens, scan, index: int, shard_size: int, layout: str) -> int:
+    return shard_tokens[index] if layout == "token" else _shard_prompts(scan, index, shard_size)
 
 
 def _where(store: Store):

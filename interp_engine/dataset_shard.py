@@ -20,6 +20,7 @@ Tensor columns are nested fixed-size lists that every consumer reads, bf16 as ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import TYPE_CHECKING
@@ -51,6 +52,17 @@ class ShardSpec:
     n_shards: int
     shard_size: int
     metadata: str = ""  # the manifest identity, embedded in every file's schema
+    n_prompts: int = 0
+    shuffle_seed: int | None = None  # build-time shuffle (see :func:`prompt_order`)
+
+    def order(self) -> "np.ndarray | None":
+        """Which prompt goes where: ``None`` for prompt order, else a fixed permutation."""
+        return None if self.shuffle_seed is None else prompt_order(self.shuffle_seed, self.n_prompts)
+
+    def prompt_ids(self, index: int, count: int) -> np.ndarray:
+        first = index * self.shard_size
+        order = self.order()
+        return np.arange(first, first + count, dtype=np.int64) if order is None else order[first:first + count]
 
     def name(self, index: int) -> str:
         return shard_name(index, self.n_shards)
@@ -73,6 +85,16 @@ class ShardStats:
         return rec if self.replica < 0 else {**rec, "replica": self.replica, "pid": self.pid}
 
 
+@functools.lru_cache(maxsize=4)
+def prompt_order(seed: int, n_prompts: int) -> np.ndarray:
+    """The build-time shuffle: shard ``i`` holds prompts ``order[i*shard_size : (i+1)*shard_size]``
+    (a permutation fixed by the seed, so a rerun or resume writes the same files), and its token
+    rows are permuted again with ``(seed, i)``."""
+    order = np.random.default_rng([seed, n_prompts]).permutation(n_prompts).astype(np.int64)
+    order.setflags(write=False)
+    return order
+
+
 def shard_name(index: int, n_shards: int) -> str:
     return f"part-{index:05d}-of-{n_shards:05d}.parquet"
 
@@ -89,7 +111,7 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
     tokens = pad_batch(rows)
     addresses = [parse_address(p) for p in spec.points]
     cache = _run(model, tokens, addresses)
-    first = index * spec.shard_size
+    ids = torch.from_numpy(spec.prompt_ids(index, len(rows)).copy())
     lengths = cache.mask.sum(dim=1)
     columns: dict[str, pa.Array] = {}
     fields: list[pa.Field] = []
@@ -105,7 +127,7 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
     if spec.layout == "sequence":
         from interp_engine.actors.batching import pad_positions, pad_tokens
 
-        add("prompt_index", pa.array(np.arange(first, first + len(rows), dtype=np.int64)))
+        add("prompt_index", pa.array(ids.numpy()))
         add("length", pa.array(lengths.numpy().astype(np.int32)))
         add("tokens", nested(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))
         for address in addresses:
@@ -114,11 +136,16 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
     else:
         mask = cache.mask
         b_idx, p_idx = mask.nonzero(as_tuple=True)
-        add("prompt_index", pa.array((b_idx + first).numpy().astype(np.int64)))
+        rows_order = slice(None)
+        if spec.shuffle_seed is not None:  # mix the shard's tokens across its prompts
+            rng = np.random.default_rng([spec.shuffle_seed, index])
+            rows_order = torch.from_numpy(rng.permutation(len(b_idx)))
+            b_idx, p_idx = b_idx[rows_order], p_idx[rows_order]
+        add("prompt_index", pa.array(ids[b_idx].numpy()))
         add("position", pa.array(p_idx.numpy().astype(np.int32)))
-        add("token", pa.array(tokens[mask].numpy().astype(np.int32)))
+        add("token", pa.array(tokens[b_idx, p_idx].numpy().astype(np.int32)))
         for address in addresses:
-            add_tensor(str(address), cache[address][mask])
+            add_tensor(str(address), cache[address][b_idx, p_idx])
     schema = pa.schema(fields, metadata={b"interp_engine.manifest": spec.metadata.encode()})
     return pa.Table.from_arrays(list(columns.values()), schema=schema), int(lengths.sum())
 

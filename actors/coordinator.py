@@ -29,27 +29,31 @@ from .wire import Captured, Generated, pack_dict
 
 class CoordinatorCore:
     def __init__(self, executor, n_replicas: int, *, batched: bool, per_replica: int = 2,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, max_attempts: int = 3):
         self.executor = executor
         self.replicas = list(range(n_replicas))
         self.batched = batched
         self.per_replica = per_replica
         self.names = names or {}
+        self.max_attempts = max_attempts
         self._lock = threading.Lock()
         self._progress: dict[str, list[ShardStats]] = {}
         self._dead: set[int] = set()
         self.resubmitted = 0
+        self.rejoined = 0
 
     def _scheduler(self) -> Scheduler:
         with self._lock:
             live = [r for r in self.replicas if r not in self._dead]
-        return Scheduler(self.executor, live, per_replica=self.per_replica, names=self.names)
+        return Scheduler(self.executor, live, per_replica=self.per_replica, names=self.names,
+                         max_attempts=self.max_attempts)
 
     def _forget(self, scheduler: Scheduler) -> None:
         """Later calls skip replicas this call found dead."""
         with self._lock:
             self._dead |= set(scheduler.dead)
             self.resubmitted += scheduler.resubmitted
+            self.rejoined += scheduler.rejoined
 
     def run(self, tokens: np.ndarray, points: list[str], positions=None) -> Captured:
         tokens = np.asarray(tokens)
@@ -90,7 +94,7 @@ class CoordinatorCore:
     def build(self, build_id: str, spec: ShardSpec, source, skip: set[int]) -> int:
         """Write every shard not in ``skip``; returns how many were written. ``progress(build_id)``
         lists the shards written so far."""
-        shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip))
+        shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip, spec.order()))
         scheduler = self._scheduler()
         written = 0
         with self._lock:
@@ -133,11 +137,13 @@ class RayExecutor:
 
     def result(self, future) -> Any:
         import ray
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
         try:
             return ray.get(future)
-        except (ActorDiedError, ActorUnavailableError) as err:
+        except ActorUnavailableError as err:  # restarting (max_restarts): the new process takes later calls
+            raise ReplicaDied(-1, type(err).__name__, restarting=True) from None
+        except RayActorError as err:
             raise ReplicaDied(-1, type(err).__name__) from None  # the scheduler knows which replica
         except RayTaskError as err:
             raise (err.cause if isinstance(err.cause, BaseException) else err) from None
@@ -171,5 +177,9 @@ def coordinator_actor():
 
         def resubmitted(self) -> int:
             return self.core.resubmitted
+
+        def rejoined(self) -> int:
+            """How many times a replica that died came back (restarted by Ray) and got work again."""
+            return self.core.rejoined
 
     return CoordinatorActor

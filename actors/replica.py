@@ -103,7 +103,7 @@ class ReplicaCore:
         return self.bytes_returned
 
     def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-        return write_shard(self.model, spec, index, texts)
+        return dataclasses.replace(write_shard(self.model, spec, index, texts), replica=self.index, pid=os.getpid())
 
     def o_proj_weight(self, layer: int):
         from .wire import Packed

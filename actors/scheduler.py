@@ -6,6 +6,13 @@ slot is free, so memory stays bounded however many shards there are. When a repl
 shards go back to the queue and run on the replicas still alive (at-least-once underneath);
 results are keyed by shard id, so a shard that somehow completes twice is reported once.
 
+Self-healing: a replica that died is probed (``ping``); Ray restarts it (``max_restarts``) and the
+probe answers once the new process has loaded the model, so the replica gets work again and the
+run ends at full capacity. A probe that fails means the replica is gone for good. A shard that
+fails ``max_attempts`` times (its replicas died under it, or it raised anything but an input
+error, which fails at once) stops the run with :class:`ShardFailed`, naming the shard, the
+replicas and the last error.
+
 The scheduler never touches Ray: an :class:`Executor` submits calls and waits on them. The
 coordinator actor plugs in a Ray executor (``ray.wait`` on actor calls); the tests and local
 builds plug in :class:`LocalExecutor`, which runs plain replica objects in this process.
@@ -15,8 +22,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
+
+from interp_engine.cluster import ShardFailed
 
 from .wire import relabel, where
 
@@ -32,9 +42,10 @@ class Shard:
 class ReplicaDied(Exception):
     """The replica serving a call is gone (killed, crashed, its node lost)."""
 
-    def __init__(self, replica: int, detail: str = ""):
+    def __init__(self, replica: int, detail: str = "", *, restarting: bool = False):
         super().__init__(f"replica {replica} died{': ' + detail if detail else ''}")
         self.replica = replica
+        self.restarting = restarting  # Ray is restarting it: a later call may reach the new process
 
 
 class NoReplicasLeft(RuntimeError):
@@ -51,9 +62,16 @@ class Executor(Protocol):
         """The call's value; raises :class:`ReplicaDied` if its replica is gone, else the call's error."""
 
 
+PROBE_EVERY_S = 0.5  # how often a restarting replica is asked whether it is back
+RESTART_TIMEOUT_S = 600.0  # a replica still restarting after this long counts as gone
+
+#: errors that come from the request itself: retrying cannot help, so they fail at once
+_DETERMINISTIC = (ValueError, TypeError, KeyError)
+
+
 class Scheduler:
     def __init__(self, executor: Executor, replicas: Iterable[int], *, per_replica: int = 2,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, max_attempts: int = 3):
         if per_replica < 1:
             raise ValueError(f"per_replica must be >= 1, got {per_replica}")
         self.executor = executor
@@ -62,17 +80,28 @@ class Scheduler:
             raise NoReplicasLeft("no replicas to run on: load the model with replicas >= 1")
         self.per_replica = per_replica
         self.names = names or {}
+        self.max_attempts = max_attempts
         self.resubmitted = 0
-        self.dead: list[int] = []
+        self.rejoined = 0
+        self.dead: list[int] = []  # gone for good (a probe found them dead)
+        self.recovering: set[int] = set()  # died, probe still waiting for a restart
+        self._down_since: dict[int, float] = {}
 
     def run(self, method: str, shards: Iterable[Shard]) -> Iterator[tuple[Shard, Any]]:
         source = iter(shards)
         retry: collections.deque[Shard] = collections.deque()
         pending: dict[Any, tuple[Shard, int]] = {}
+        probes: dict[Any, int] = {}
+        due: dict[int, float] = {}  # replica -> when to probe it again
         load = collections.Counter()
+        failures: dict[int, list[int]] = collections.defaultdict(list)  # shard -> replicas it failed on
         done: set[int] = set()
         exhausted = False
         while True:
+            now = time.monotonic()
+            for replica in [r for r, t in due.items() if t <= now]:
+                del due[replica]
+                probes[self.executor.submit(replica, "ping")] = replica
             while self.live and (retry or not exhausted):
                 replica = min(self.live, key=lambda r: load[r])
                 if load[replica] >= self.per_replica:
@@ -86,48 +115,103 @@ class Scheduler:
                         break
                 pending[self.executor.submit(replica, method, *shard.args)] = (shard, replica)
                 load[replica] += 1
-            if not pending:
+            waiting = bool(probes or due) and (retry or not exhausted)
+            if not pending and not waiting:
                 if retry or not exhausted:
                     raise NoReplicasLeft(
                         f"all replicas died ({', '.join(map(str, self.dead))}) before the work was done; "
                         f"check the replicas' logs (ray logs / the dashboard) and the nodes' memory, then rerun"
                     )
                 return
-            for future in self.executor.wait(list(pending), None):
+            timeout = max(0.0, min(due.values()) - time.monotonic()) if due else None
+            futures = list(pending) + list(probes)
+            if not futures:
+                time.sleep(timeout or 0.0)
+                continue
+            for future in self.executor.wait(futures, timeout):
+                if future in probes:
+                    replica = probes.pop(future)
+                    if self._probed(replica, future):  # still restarting: ask again a little later
+                        due[replica] = time.monotonic() + PROBE_EVERY_S
+                    continue
                 shard, replica = pending.pop(future)
                 load[replica] -= 1
                 try:
                     result = self.executor.result(future)
-                except ReplicaDied:
-                    if replica in self.live:
+                except ReplicaDied as err:
+                    if replica in self.live:  # wait for Ray to restart it (max_restarts), then use it again
                         self.live.remove(replica)
-                        self.dead.append(replica)
+                        self.recovering.add(replica)
+                        self._down_since[replica] = time.monotonic()
+                        probes[self.executor.submit(replica, "ping")] = replica
+                    self._failed(shard, replica, failures, err)
                     retry.append(shard)
                     self.resubmitted += 1
                     continue
-                except Exception as err:
+                except _DETERMINISTIC as err:
                     raise relabel(err, where(replica, shard.index, self.names.get(replica, ""))) from err
+                except Exception as err:
+                    self._failed(shard, replica, failures, err)
+                    retry.append(shard)
+                    self.resubmitted += 1
+                    continue
                 if shard.index in done:
                     continue
                 done.add(shard.index)
                 yield shard, result
 
+    def _probed(self, replica: int, future) -> bool:
+        """Handle a probe's answer; True if the replica is still restarting and needs another."""
+        try:
+            self.executor.result(future)
+        except ReplicaDied as err:
+            if err.restarting and time.monotonic() - self._down_since[replica] < RESTART_TIMEOUT_S:
+                return True
+            self.recovering.discard(replica)
+            self.dead.append(replica)
+            return False
+        except Exception:
+            self.recovering.discard(replica)
+            self.dead.append(replica)
+            return False
+        self.recovering.discard(replica)
+        self.live.append(replica)
+        self.rejoined += 1
+        return False
+
+    def _failed(self, shard: Shard, replica: int, failures: dict, err: BaseException) -> None:
+        failures[shard.index].append(replica)
+        tried = failures[shard.index]
+        if len(tried) >= self.max_attempts:
+            raise ShardFailed(
+                f"{where(replica, shard.index, self.names.get(replica, ''))} shard {shard.index} failed "
+                f"{len(tried)} times (on replicas {', '.join(map(str, tried))}); last error: "
+                f"{type(err).__name__}: {err}. The work stops here; fix the cause (a dataset build resumes "
+                f"from the shards already written when rerun)"
+            ) from err
+
 
 class LocalExecutor:
     """Runs calls at once on plain replica objects in this process (tests, local builds).
 
-    ``kill(i)`` makes replica ``i`` fail every later call as a dead replica would.
+    ``kill(i)`` makes replica ``i`` fail every later call as a dead replica would; ``crash(i)``
+    fails its next call that way, after which it answers again (a replica Ray restarted).
     """
 
     def __init__(self, replicas: list):
         self.replicas = replicas
         self.killed: set[int] = set()
+        self.crashed: set[int] = set()
 
     def kill(self, replica: int) -> None:
         self.killed.add(replica)
 
+    def crash(self, replica: int) -> None:
+        self.crashed.add(replica)
+
     def submit(self, replica: int, method: str, *args):
-        if replica in self.killed:
+        if replica in self.killed or replica in self.crashed:
+            self.crashed.discard(replica)
             return _Done("dead", replica, None)
         try:
             return _Done("ok", replica, getattr(self.replicas[replica], method)(*args))

@@ -21,9 +21,14 @@ from .analysis import stack as stack
 from .cache import Cache as Cache
 from .compare import relative_error as relative_error
 from .cluster import ClusterError as ClusterError
+from .cluster import ShardFailed as ShardFailed
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
+from .dataset_export import export_saelens as export_saelens
+from .dataset_integrity import DatasetCorruptError as DatasetCorruptError
+from .dataset_integrity import DatasetRepairWarning as DatasetRepairWarning
 from .dataset_manifest import DatasetExistsError as DatasetExistsError
+from .dataset_uri import StorageError as StorageError
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens

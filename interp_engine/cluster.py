@@ -29,6 +29,11 @@ class ClusterError(RuntimeError):
     """The cluster cannot serve the request (too few resources, replicas that failed to start)."""
 
 
+class ShardFailed(ClusterError):
+    """One shard of the work failed ``max_attempts`` times (its replicas died under it, or it
+    raised something other than an input error); the message names the shard and replicas."""
+
+
 def connect() -> None:
     """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one."""
     import ray
@@ -95,17 +100,21 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
                        dtype="float32", device: str | None = None, gpus_per_replica: float | None = None,
                        cpus_per_replica: float = 1, torch_threads: int | None = None, startup_timeout: float = 60,
                        max_in_flight_per_replica: int = 2, env_vars: dict[str, str] | None = None,
-                       **backend_options) -> "ClusterModel":
+                       max_restarts: int = 3, **backend_options) -> "ClusterModel":
     """Start ``replicas`` replicas of the model on the connected (or a new local) Ray cluster.
 
     Placement: ``gpus_per_replica`` (default ``tensor_parallel_size`` on a cluster with GPUs, else
     0) and ``cpus_per_replica`` reserve each replica's share; ``torch_threads`` pins its torch
     threads; ``env_vars`` are set in the replicas' processes (e.g. ``VLLM_CPU_KVCACHE_SPACE``).
+    ``max_restarts``: how often Ray restarts a replica whose process died (in its placement
+    bundle, on another node if its node is gone); a restarted replica gets work again.
     Other keyword arguments go to the backend, as in a local ``load_model``.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise InputError(f"replicas must be a positive int (the number of model copies), got {replicas!r}; "
                          f"use replicas=1 for one copy, or leave it out to load the model in this process")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+        raise InputError(f"max_restarts must be an int >= 0 (or -1: without limit), got {max_restarts!r}")
     if requires_grad:
         raise InputError("requires_grad=True needs the model in this process: gradients do not cross Ray "
                          "processes. Load it without replicas=: load_model(name, backend='eager', requires_grad=True)")
@@ -127,7 +136,7 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
                        tuple(sorted(backend_options.items())), torch_threads)
     actor = replica_actor()
     extra = {"runtime_env": {"env_vars": {k: str(v) for k, v in env_vars.items()}}} if env_vars else {}
-    handles = [actor.options(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=0,
+    handles = [actor.options(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=max_restarts,
                              scheduling_strategy=placement.strategies[i], **extra).remote(spec, i)
                for i in range(replicas)]
     try:
@@ -333,11 +342,12 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         finally:
             self._coordinator.forget_build.remote(build_id)
 
-    def kill_replica(self, index: int) -> None:
-        """Kill replica ``index`` (fault drills: the coordinator moves its work to the others)."""
+    def kill_replica(self, index: int, *, restart: bool = True) -> None:
+        """Kill replica ``index``'s process (fault drills). Its work moves to the others; with
+        ``restart`` (a crash) Ray starts it again and it gets work again, without it is gone."""
         import ray
 
-        ray.kill(self._replicas[index], no_restart=True)
+        ray.kill(self._replicas[index], no_restart=not restart)
 
     def close(self) -> None:
         if self._coordinator is not None:

@@ -3,9 +3,10 @@
 ``build_dataset(model, prompts, points, output)`` works with a local model (one process) and
 with a cluster model (``load_model(..., replicas=N)``: replicas capture and write shards in
 parallel). Either way the result is the same files: shard ``i`` holds prompts
-``[i * shard_size, (i + 1) * shard_size)``, its name is fixed by ``i``, and it is written under a
-temporary name and renamed. A rerun with the same arguments skips the finished shards and ends
-with the identical dataset; a different build into the same folder is refused unless
+``[i * shard_size, (i + 1) * shard_size)``, its name is fixed by ``i``, and it is published
+atomically on any store (:mod:`.dataset_store`). A rerun with the same arguments checks the
+shards already there (:mod:`.dataset_integrity`), rewrites any that fail, skips the rest and
+ends with the identical dataset; a different build into the same folder is refused unless
 ``overwrite=True``. See :mod:`.dataset_shard` for the layouts and :mod:`.dataset_manifest` for
 the provenance kept beside the shards.
 """
@@ -13,27 +14,36 @@ the provenance kept beside the shards.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from .address import check_points, format_address
+from .dataset_integrity import DatasetCorruptError, Expected, identity_json, verify_dataset, verify_existing
 from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, tokenizer_fingerprint,
-                               write_json)
+                               write_manifest)
 from .dataset_prompts import PromptSource
 from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, shard_name, write_shard
-from .positions import check_prompt, check_spec, spec_to_json, width_bound
+from .dataset_store import Store
+from .dataset_uri import check_access
+from .positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
 from .tokens import InputError
+
+_SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
 
 
 @dataclasses.dataclass(frozen=True)
 class ActivationDataset:
-    """A finished dataset on disk: where it is, what it holds, and how it was built."""
+    """A finished dataset: where it is, what it holds, and how it was built.
 
-    path: Path
+    ``build_dataset`` returns one; :meth:`open` opens one written earlier (checking that every
+    shard is there with its recorded size); :meth:`verify` checks every shard's sha256.
+    """
+
+    path: "Path | str"  # a local Path, or the URI the dataset was written to
     manifest: dict
     rows: int
     shards: int
@@ -41,23 +51,76 @@ class ActivationDataset:
     tokens: int
     seconds: float
     resumed_shards: int = 0
+    repaired: tuple[str, ...] = ()  # shards a resume found bad and rewrote
+    store: Store | None = None
+
+    @classmethod
+    def open(cls, output, *, filesystem=None, verify: bool = False) -> "ActivationDataset":
+        """Open a finished dataset (local path, URI or ``(filesystem, path)``). Raises
+        :class:`DatasetCorruptError` if a shard is missing or has the wrong size (with
+        ``verify=True``: the wrong sha256)."""
+        store = Store.of(output, filesystem)
+        manifest = read_manifest(store)
+        if manifest is None:
+            raise FileNotFoundError(f"no dataset at {store.location()!r} (no {MANIFEST}); build one with build_dataset")
+        if manifest.get("status") != "complete":
+            raise DatasetCorruptError(f"the build at {store.location()!r} has not finished (status "
+                                      f"{manifest.get('status')!r}); rerun the same build_dataset call to finish it")
+        verify_dataset(store, manifest, full=verify)
+        result = manifest["result"]
+        return cls(_where(store), manifest, result["rows"], result["shards"], result["prompts"], result["tokens"],
+                   0.0, store=store)
 
     @property
-    def files(self) -> list[Path]:
+    def _store(self) -> Store:
+        return self.store if self.store is not None else Store.of(self.path)
+
+    @property
+    def names(self) -> list[str]:
         n = self.manifest["identity"]["n_shards"]
-        return [self.path / shard_name(i, n) for i in range(n)]
+        return [shard_name(i, n) for i in range(n)]
+
+    @property
+    def files(self) -> list:
+        """The shard files: local Paths, or URIs for a dataset on object storage."""
+        store = self._store
+        return [Path(store.key(n)) if store.is_local else store.location(n) for n in self.names]
+
+    def verify(self) -> None:
+        """Check every shard's size and sha256 against the manifest; raise
+        :class:`DatasetCorruptError` naming the shards that differ."""
+        verify_dataset(self._store, self.manifest, full=True)
 
     def to_arrow(self):
-        return pq.read_table([str(f) for f in self.files])
+        store = self._store
+        return pq.read_table([store.key(n) for n in self.names], filesystem=store.fs)
 
     def to_pandas(self):
         return self.to_arrow().to_pandas()
 
-    def to_ray(self):
-        """The dataset as a Ray Dataset (needs a connected or local Ray)."""
-        import ray.data
+    def to_ray(self, *, num_cpus: float = 0, wait_s: float = 30.0):
+        """The dataset as a Ray Dataset, read lazily shard by shard (see :mod:`.dataset_ray`).
 
-        return ray.data.read_parquet([str(f) for f in self.files])
+        Read tasks reserve ``num_cpus`` CPUs each, 0 by default, so they run while model replicas
+        hold every CPU of the cluster; given more, a read that cannot get them within ``wait_s``
+        seconds raises a :class:`~interp_engine.ClusterError` saying what holds them."""
+        from .dataset_ray import to_ray
+
+        return to_ray(self, num_cpus=num_cpus, wait_s=wait_s)
+
+    def loader(self, point, batch_size: int, **options):
+        """A streaming torch ``IterableDataset`` of ``[batch_size, *shape]`` token rows of
+        ``point`` (shuffle buffer across sequences, DDP rank split; see :mod:`.dataset_loader`)."""
+        from .dataset_loader import ShardLoader
+
+        return ShardLoader(self, _point_name(point), batch_size, **options)
+
+    def export_saelens(self, out_dir, point, context_size: int, **options):
+        """Write ``point`` as a folder SAELens's ``ActivationsStore(cached_activations_path=...)``
+        loads (see :mod:`.dataset_export`); returns its path."""
+        from .dataset_export import export_saelens
+
+        return export_saelens(self, out_dir, _point_name(point), context_size, **options)
 
     def tensor(self, point) -> "object":
         """One point's column as a torch tensor ``[rows, ...]`` in its stored dtype."""
@@ -82,6 +145,9 @@ def build_dataset(
     text_key: str = "text",
     progress: bool = True,
     positions=None,
+    filesystem=None,
+    shuffle: bool = False,
+    seed: int = 0,
 ) -> ActivationDataset:
     """Capture ``points`` for every prompt and write them under ``output`` as Parquet.
 
@@ -91,7 +157,12 @@ def build_dataset(
     bf16 model is stored bit for bit). ``positions``: keep only those positions of each prompt,
     as ``run_with_cache(..., positions=...)`` does (``-1``: a probe dataset of last tokens; the
     ``"token"`` layout gets one row per kept position, the ``"sequence"`` layout a ``positions``
-    column). Every argument is checked, and the prompts read once, before any capture starts.
+    column). ``output``: a local path, a URI (``s3://bucket/prefix``, ``gs://...``,
+    ``file://...``) or ``(pyarrow.fs.FileSystem, path)``; ``filesystem=`` gives the filesystem
+    explicitly. ``shuffle=True``: shard ``i`` holds a fixed random set of prompts (``seed``) and
+    its token rows are permuted, so rows mix tokens of many sequences; a rerun writes the same
+    files. Every argument is checked, the prompts read once and the destination probed before
+    any capture starts.
     """
     from .version import VERSION as __version__
 
@@ -100,6 +171,10 @@ def build_dataset(
         raise InputError(f"unknown layout {layout!r}; use 'sequence' (a row per prompt) or 'token' (a row per position)")
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise InputError(f"shard_size must be a positive int, got {shard_size!r}")
+    if not isinstance(shuffle, bool):
+        raise InputError(f"shuffle must be True or False, got {shuffle!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InputError(f"seed must be an int >= 0, got {seed!r}")
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
@@ -109,6 +184,7 @@ def build_dataset(
     selection = check_spec(positions)
     if selection == "generated":
         raise InputError("positions='generated' does not apply to datasets (they capture prompts only)")
+    store = Store.of(output, filesystem)  # the name only: no I/O yet
     source = PromptSource.of(prompts, text_key)
     seen = iter(range(1 << 62))
 
@@ -117,7 +193,7 @@ def build_dataset(
         check_prompt(selection, len(ids), f"prompt {next(seen)}")
         return ids
 
-    scan = source.scan(encode, model.info.n_ctx)
+    scan = source.scan(encode, model.info.n_ctx, shard_size)
     n_shards = -(-scan.count // shard_size)
     identity = {
         "format": FORMAT,
@@ -135,22 +211,33 @@ def build_dataset(
         **({"positions": spec_to_json(selection)} if selection is not None else {}),
         "shard_size": shard_size,
         "n_shards": n_shards,
+        "shuffle_seed": seed if shuffle else None,
     }
-    out = Path(output).expanduser().resolve()
-    done = prepare_output(out, identity, n_shards, overwrite=overwrite)
-    spec = ShardSpec(str(out), tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
-                     json.dumps(identity, sort_keys=True), selection,
-                     width_bound(selection, scan.max_length) if selection is not None else 0)
-    manifest = {"identity": identity, "status": "building", "prompts_source": source.label}
-    write_json(out / MANIFEST, manifest)
+    check_access(store, explicit=filesystem is not None or isinstance(output, tuple))
+    records, present, sizes = prepare_output(store, identity, n_shards, overwrite=overwrite)
+    spec = ShardSpec(store, tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
+                     identity_json(identity), positions=selection,
+                     held=width_bound(selection, scan.max_length) if selection is not None else 0,
+                     n_prompts=scan.count, shuffle_seed=seed if shuffle else None)
+    shard_tokens = _shard_tokens(scan, spec)
+    expected = {i: Expected(_shard_rows(shard_tokens, scan, spec, i), spec.metadata) for i in present}
+    good, repaired = verify_existing(store, present, sizes, records, expected)
+    manifest = {"identity": identity, "status": "building", "prompts_source": source.label,
+                "shards": {shard_name(i, n_shards): rec for i, rec in good.items()}}
+    write_manifest(store, manifest)
 
-    stats = list(_existing(out, spec, done))
+    stats = [ShardStats(i, _shard_prompts(scan, i, shard_size), shard_tokens[i], rec["rows"], rec["bytes"],
+                        rec["sha256"]) for i, rec in sorted(good.items())]
     bar = _progress(progress, scan, stats)
-    t0 = time.perf_counter()
+    t0 = last_saved = time.perf_counter()
     new_tokens = 0
-    for shard in _run_shards(model, spec, source, done):
+    for shard in _run_shards(model, spec, source, set(good)):
         stats.append(shard)
+        manifest["shards"][shard_name(shard.index, n_shards)] = shard.record()
         new_tokens += shard.tokens
+        if time.perf_counter() - last_saved > _SAVE_EVERY_S:  # records survive a driver kill
+            write_manifest(store, manifest)
+            last_saved = time.perf_counter()
         if bar is not None:
             bar.update(shard.prompts)
             bar.set_postfix(tokens_per_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
@@ -162,34 +249,50 @@ def build_dataset(
     seconds = time.perf_counter() - started
     result = {"rows": rows, "shards": n_shards, "prompts": scan.count, "tokens": scan.tokens,
               "files": [shard_name(i, n_shards) for i in range(n_shards)]}
-    write_json(out / MANIFEST, {**manifest, "status": "complete", "result": result})
-    return ActivationDataset(out, read_manifest(out), rows, n_shards, scan.count, scan.tokens, seconds, len(done))
+    manifest.update(status="complete", result=result)
+    write_manifest(store, manifest)
+    return ActivationDataset(_where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
+                             tuple(repaired), store)
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:
     if hasattr(model, "write_shards"):  # a cluster model: replicas write the shards
         yield from model.write_shards(spec, source, done)
         return
-    for index, texts in source.shards(spec.shard_size, done):
+    for index, texts in source.shards(spec.shard_size, done, spec.order()):
         yield write_shard(model, spec, index, texts)
 
 
-def _existing(out: Path, spec: ShardSpec, done: set[int]) -> Iterator[ShardStats]:
-    for index in sorted(done):
-        meta = pq.read_metadata(out / shard_name(index, spec.n_shards))
-        prompts = min(spec.shard_size, spec_prompts(spec) - index * spec.shard_size)
-        tokens = _tokens_in(out / shard_name(index, spec.n_shards), spec.layout, meta.num_rows)
-        yield ShardStats(index, prompts, tokens, meta.num_rows, (out / shard_name(index, spec.n_shards)).stat().st_size)
+def _point_name(point) -> str:
+    return point if isinstance(point, str) else format_address(point)
 
 
-def spec_prompts(spec: ShardSpec) -> int:
-    return json.loads(spec.metadata)["n_prompts"]
+def _shard_prompts(scan, index: int, shard_size: int) -> int:
+    return min(shard_size, scan.count - index * shard_size)
 
 
-def _tokens_in(path: Path, layout: str, rows: int) -> int:
-    if layout == "token":
-        return rows
-    return int(pq.read_table(path, columns=["length"]).column("length").to_numpy().sum())
+def _shard_tokens(scan, spec: ShardSpec) -> list[int]:
+    order = spec.order()
+    if order is None:
+        return list(scan.shard_tokens)
+    lengths = np.frombuffer(scan.lengths, dtype=np.int32) if len(scan.lengths) else np.zeros(0, np.int32)
+    return [int(lengths[order[i * spec.shard_size:(i + 1) * spec.shard_size]].sum()) for i in range(spec.n_shards)]
+
+
+def _shard_rows(shard_tokens, scan, spec: ShardSpec, index: int) -> int:
+    """The rows shard ``index`` holds: one per prompt, or one per kept token (with ``positions=``,
+    the positions each of its prompts keeps)."""
+    if spec.layout != "token":
+        return _shard_prompts(scan, index, spec.shard_size)
+    if spec.positions is None:
+        return shard_tokens[index]
+    lengths = np.frombuffer(scan.lengths, dtype=np.int32)
+    ids = spec.prompt_ids(index, _shard_prompts(scan, index, spec.shard_size))
+    return sum(len(resolve_row(spec.positions, int(lengths[i]))) for i in ids)
+
+
+def _where(store: Store):
+    return Path(store.root) if store.is_local else store.location()
 
 
 def _progress(enabled: bool, scan, stats: list[ShardStats]):

@@ -4,21 +4,21 @@ and never mixed with another.
 ``_manifest.json`` sits beside the shards. Its ``identity`` holds everything that decides the
 shards' content — model, weights hash, backend, model dtype, stored dtype, points, layout,
 tokenizer hash, package version, prompt-set hash, shard size — and a rerun is the same build
-only when the identity is equal. ``status`` and ``result`` record progress and totals.
+only when the identity is equal. ``status`` and ``result`` record progress and totals, and ``shards`` each finished shard's
+rows, bytes and sha256 (see :mod:`.dataset_integrity`). The manifest lives in the same store as
+the shards and is rewritten whole (atomically) as shards land.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 
 from .dataset_shard import shard_name
 from .fingerprint import weights_fingerprint as weights_fingerprint
 
-FORMAT = "interp_engine.dataset/1"
+FORMAT = "interp_engine.dataset/2"  # 2: nested fixed-size lists, bf16 as exact float32
 MANIFEST = "_manifest.json"
 
 
@@ -33,55 +33,58 @@ def tokenizer_fingerprint(hf_tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def read_manifest(output) -> dict | None:
-    path = Path(output) / MANIFEST
-    if not path.exists():
+def read_manifest(store) -> dict | None:
+    """The manifest at ``store`` (a :class:`~.dataset_store.Store`), or ``None`` if there is none."""
+    if store.size(MANIFEST) is None:
         return None
-    return json.loads(path.read_text())
+    return json.loads(store.read(MANIFEST))
 
 
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+def write_manifest(store, data: dict) -> None:
+    store.write(MANIFEST, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
-def prepare_output(output, identity: dict, n_shards: int, *, overwrite: bool) -> set[int]:
-    """Make ``output`` ready for this build and return the shards already finished there.
+def prepare_output(store, identity: dict, n_shards: int, *, overwrite: bool) -> tuple[dict, dict[int, str], dict[str, int]]:
+    """Make the store ready for this build; return what a resume can keep.
 
-    Same identity: a resume (finished shards are kept). A different identity: refused unless
-    ``overwrite`` (then the old dataset's files are removed). A folder with files but no
-    manifest is never touched.
+    Same identity: a resume (the previous manifest's shard records and the shard files there are
+    returned, to be checked). A different identity: refused unless ``overwrite`` (then the old
+    dataset's files are removed). A folder with files but no manifest is never touched.
+    Returns ``(shard records, {index: name} of shard files present, {name: size} of every file)``.
     """
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise DatasetExistsError(f"output {str(out)!r} is a file; pass a folder path for the dataset")
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = read_manifest(out)
-    ours = [p for p in out.iterdir() if _is_ours(p)]
-    foreign = [p.name for p in out.iterdir() if not _is_ours(p)]
-    if manifest is None and (ours or foreign):
+    from .dataset_uri import check_writable
+
+    if store.is_file():
+        raise DatasetExistsError(f"output {store.location()!r} is a file; pass a folder path for the dataset")
+    sizes = store.list()
+    manifest = read_manifest(store)
+    ours = [n for n in sizes if _is_ours(n)]
+    foreign = [n for n in sizes if not _is_ours(n)]
+    if manifest is None and any(".tmp-" not in n for n in sizes):
         raise DatasetExistsError(
-            f"output {str(out)!r} already holds files ({', '.join(sorted(p.name for p in ours)[:3] + foreign[:3])}) "
+            f"output {store.location()!r} already holds files ({', '.join(sorted(ours)[:3] + foreign[:3])}) "
             f"but no {MANIFEST}: it is not a dataset this engine wrote. Pick an empty or new folder."
         )
     if manifest is not None and manifest.get("identity") != identity:
         if not overwrite:
             raise DatasetExistsError(
-                f"output {str(out)!r} holds a different dataset ({_diff(manifest.get('identity') or {}, identity)}). "
+                f"output {store.location()!r} holds a different dataset ({_diff(manifest.get('identity') or {}, identity)}). "
                 f"Pick another output folder, or pass overwrite=True to replace it."
             )
-        for path in ours:
-            path.unlink()
-        manifest = None
-    for path in out.glob(".*.tmp-*"):  # left by a build that was killed mid-write
-        path.unlink(missing_ok=True)
+    check_writable(store)  # after the refusals above, before anything is removed or written
+    if manifest is not None and manifest.get("identity") != identity:
+        for name in ours:
+            store.delete(name)
+        manifest, sizes = None, {}
+    for name in [n for n in sizes if ".tmp-" in n]:  # left by a build that was killed mid-write
+        store.delete(name)
     names = {shard_name(i, n_shards): i for i in range(n_shards)}
-    return {names[p.name] for p in out.glob("part-*.parquet") if p.name in names}
+    present = {names[n]: n for n in sizes if n in names}
+    return dict((manifest or {}).get("shards") or {}), present, sizes
 
 
-def _is_ours(path: Path) -> bool:
-    return path.name == MANIFEST or (path.name.startswith("part-") and path.suffix == ".parquet") or ".tmp-" in path.name
+def _is_ours(name: str) -> bool:
+    return name == MANIFEST or (name.startswith("part-") and name.endswith(".parquet")) or ".tmp-" in name
 
 
 def _diff(old: dict, new: dict) -> str:

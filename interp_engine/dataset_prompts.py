@@ -6,6 +6,7 @@ fingerprint it before any work starts.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import itertools
@@ -29,6 +30,8 @@ class Scan:
     sha256: str
     max_length: int
     tokens: int
+    shard_tokens: tuple[int, ...] = ()  # real tokens per shard of ``shard_size`` prompts
+    lengths: Any = ()  # tokens of each prompt (an ``array('i')``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +127,17 @@ class PromptSource:
                                f"{', '.join(batch.schema.names)}); pass text_key=...")
         yield from batch.column(self.text_key).to_pylist()
 
-    def shards(self, shard_size: int, skip: set[int] = frozenset()) -> Iterator[tuple[int, list[str]]]:
-        """``(shard index, its prompts)`` in order, leaving out the shards in ``skip``."""
+    def shards(self, shard_size: int, skip: set[int] = frozenset(), order=None) -> Iterator[tuple[int, list[str]]]:
+        """``(shard index, its prompts)`` in order, leaving out the shards in ``skip``. With an
+        ``order`` (a permutation of the prompt indices: a shuffled build) shard ``i`` holds
+        prompts ``order[i*shard_size : (i+1)*shard_size]``; the prompt texts are then held in
+        memory for the pass (the texts only, never activations)."""
+        if order is not None:
+            texts = list(self)
+            for index in range(-(-len(texts) // shard_size)):
+                if index not in skip:
+                    yield index, [texts[j] for j in order[index * shard_size:(index + 1) * shard_size]]
+            return
         stream = iter(self)
         for index in itertools.count():
             chunk = list(itertools.islice(stream, shard_size))
@@ -134,10 +146,13 @@ class PromptSource:
             if index not in skip:
                 yield index, chunk
 
-    def scan(self, encode, n_ctx: int) -> Scan:
-        """Check every prompt (a non-empty string that fits the model) and fingerprint the set."""
+    def scan(self, encode, n_ctx: int, shard_size: int = 1) -> Scan:
+        """Check every prompt (a non-empty string that fits the model), fingerprint the set and
+        count the tokens of each shard."""
         digest = hashlib.sha256()
         count = max_length = tokens = 0
+        shard_tokens: list[int] = []
+        lengths = array.array("i")
         for i, text in enumerate(self):
             if not isinstance(text, str) or not text:
                 raise PromptsError(f"prompt {i} of {self.label} is empty or not a string ({text!r}); "
@@ -148,9 +163,13 @@ class PromptSource:
                                    f"positions; shorten or drop it")
             digest.update(text.encode("utf-8"))
             digest.update(b"\0")
+            if count % shard_size == 0:
+                shard_tokens.append(0)
+            shard_tokens[-1] += n
+            lengths.append(n)
             count += 1
             tokens += n
             max_length = max(max_length, n)
         if count == 0:
             raise PromptsError(f"{self.label} holds no prompts; a dataset needs at least one")
-        return Scan(count, digest.hexdigest(), max_length, tokens)
+        return Scan(count, digest.hexdigest(), max_length, tokens, tuple(shard_tokens), lengths)

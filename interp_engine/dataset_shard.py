@@ -2,8 +2,8 @@
 
 A shard is a pure function of its prompts and the dataset's settings, so a shard computed twice
 (a replica died after writing, the driver was killed and the build rerun) is the same file.
-Files are written under a temporary name and renamed into place: a shard file that exists is
-complete.
+Files are published atomically (:mod:`.dataset_store`): a shard file that exists is complete,
+and its sha256 goes into the manifest (:mod:`.dataset_integrity`).
 
 Layouts:
 
@@ -18,40 +18,38 @@ are captured: ``"token"`` has a row per kept position; ``"sequence"`` gets a ``p
 column (``[held]``, -1 past a prompt's own selection) and tensor columns ``[held, ...]``, where
 ``held`` is the most positions the selection can keep in any prompt of the dataset.
 
-Tensor columns are Arrow ``fixed_shape_tensor`` columns: pyarrow and Ray Data read them back
-with their shapes; pandas sees flat arrays, reshaped with :func:`column_shape`. Floating points
-are stored in the dataset's dtype; ``bfloat16``, which Arrow lacks, is stored as its raw 16-bit
-pattern (``uint16``) and marked in the field metadata, so it is kept bit for bit;
-:func:`read_tensor` turns any tensor column back into a torch tensor of the right dtype.
+Tensor columns are nested fixed-size lists that every consumer reads, bf16 as exact float32
+(see :mod:`.dataset_columns`); :func:`read_tensor` gives back torch tensors in the captured dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
-import os
-import uuid
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from .address import Address, parse_address
+from .dataset_columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
+from .dataset_columns import encode, field_metadata, nested, write_bytes
 from .tokens import pad_batch
 
+if TYPE_CHECKING:
+    from .dataset_store import Store
+
 LAYOUTS = ("sequence", "token")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_KEY = b"interp_engine.dtype"
-_ADDRESS_KEY = b"interp_engine.address"
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
     """Everything a replica needs to write any shard of one dataset."""
 
-    output: str
+    store: "Store"
     points: tuple[str, ...]
     layout: str
     dtype: str
@@ -61,9 +59,20 @@ class ShardSpec:
     metadata: str = ""  # the manifest identity, embedded in every file's schema
     positions: object = None  # a positions spec (None: every position)
     held: int = 0  # the width of a selection in the sequence layout
+    n_prompts: int = 0
+    shuffle_seed: int | None = None  # build-time shuffle (see :func:`prompt_order`)
 
-    def path(self, index: int) -> Path:
-        return Path(self.output) / shard_name(index, self.n_shards)
+    def order(self) -> "np.ndarray | None":
+        """Which prompt goes where: ``None`` for prompt order, else a fixed permutation."""
+        return None if self.shuffle_seed is None else prompt_order(self.shuffle_seed, self.n_prompts)
+
+    def prompt_ids(self, index: int, count: int) -> np.ndarray:
+        first = index * self.shard_size
+        order = self.order()
+        return np.arange(first, first + count, dtype=np.int64) if order is None else order[first:first + count]
+
+    def name(self, index: int) -> str:
+        return shard_name(index, self.n_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +82,24 @@ class ShardStats:
     tokens: int
     rows: int
     bytes: int
+    sha256: str = ""
+    replica: int = -1  # which replica wrote it (-1: the driver's own model), and its process
+    pid: int = 0
+
+    def record(self) -> dict:
+        """The manifest's record: what integrity checks use, and who wrote it."""
+        rec = {"rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+        return rec if self.replica < 0 else {**rec, "replica": self.replica, "pid": self.pid}
+
+
+@functools.lru_cache(maxsize=4)
+def prompt_order(seed: int, n_prompts: int) -> np.ndarray:
+    """The build-time shuffle: shard ``i`` holds prompts ``order[i*shard_size : (i+1)*shard_size]``
+    (a permutation fixed by the seed, so a rerun or resume writes the same files), and its token
+    rows are permuted again with ``(seed, i)``."""
+    order = np.random.default_rng([seed, n_prompts]).permutation(n_prompts).astype(np.int64)
+    order.setflags(write=False)
+    return order
 
 
 def shard_name(index: int, n_shards: int) -> str:
@@ -91,7 +118,7 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
     tokens = pad_batch(rows)
     addresses = [parse_address(p) for p in spec.points]
     cache = _run(model, tokens, addresses, spec.positions)
-    first = index * spec.shard_size
+    ids = torch.from_numpy(spec.prompt_ids(index, len(rows)).copy())
     lengths = (tokens >= 0).sum(dim=1)
     columns: dict[str, pa.Array] = {}
     fields: list[pa.Field] = []
@@ -100,83 +127,50 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
         columns[name] = array
         fields.append(pa.field(name, array.type, metadata=metadata))
 
+    def add_tensor(name, tensor):
+        array, dtype = encode(tensor, spec.dtype)
+        add(name, nested(array), field_metadata(name, dtype, array.shape[1:]))
+
     if spec.layout == "sequence":
         from interp_engine.actors.batching import pad_positions, pad_tokens
 
-        add("prompt_index", pa.array(np.arange(first, first + len(rows), dtype=np.int64)))
+        add("prompt_index", pa.array(ids.numpy()))
         add("length", pa.array(lengths.numpy().astype(np.int32)))
-        add("tokens", _tensor_array(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))
+        add("tokens", nested(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))
         held = spec.held if cache.selected else None
         if held is not None:
-            add("positions", _tensor_array(torch.nn.functional.pad(
+            add("positions", nested(torch.nn.functional.pad(
                 cache.positions, (0, held - cache.positions.shape[1]), value=-1).numpy().astype(np.int32)))
         for address in addresses:
-            data = pad_positions(cache[address], address, spec.max_length, held)
-            array, dtype = _encode(data, spec.dtype)
-            add(str(address), _tensor_array(array), _meta(address, dtype))
+            add_tensor(str(address), pad_positions(cache[address], address, spec.max_length, held))
     else:
         mask = cache.mask
-        b_idx, p_idx = mask.nonzero(as_tuple=True)
-        at = cache.positions[mask]  # the position each kept column holds
-        add("prompt_index", pa.array((b_idx + first).numpy().astype(np.int64)))
+        b_idx, p_idx = mask.nonzero(as_tuple=True)  # p_idx: the column of the cache
+        if spec.shuffle_seed is not None:  # mix the shard's tokens across its prompts
+            rng = np.random.default_rng([spec.shuffle_seed, index])
+            rows_order = torch.from_numpy(rng.permutation(len(b_idx)))
+            b_idx, p_idx = b_idx[rows_order], p_idx[rows_order]
+        at = cache.positions[b_idx, p_idx]  # the position each kept column holds
+        add("prompt_index", pa.array(ids[b_idx].numpy()))
         add("position", pa.array(at.numpy().astype(np.int32)))
         add("token", pa.array(tokens[b_idx, at].numpy().astype(np.int32)))
         for address in addresses:
-            array, dtype = _encode(cache[address][mask], spec.dtype)
-            add(str(address), _tensor_array(array), _meta(address, dtype))
+            add_tensor(str(address), cache[address][b_idx, p_idx])
     schema = pa.schema(fields, metadata={b"interp_engine.manifest": spec.metadata.encode()})
     return pa.Table.from_arrays(list(columns.values()), schema=schema), int(lengths.sum())
 
 
 def write_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-    """Capture ``texts`` (prompts ``index * shard_size ...``) and write shard ``index``."""
+    """Capture ``texts`` (prompts ``index * shard_size ...``) and publish shard ``index``."""
     table, n_tokens = capture_table(model, spec, index, texts)
-    final = spec.path(index)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return ShardStats(index, len(texts), n_tokens, table.num_rows, final.stat().st_size)
+    data = shard_bytes(table)
+    spec.store.write(spec.name(index), data)
+    return ShardStats(index, len(texts), n_tokens, table.num_rows, len(data), hashlib.sha256(data).hexdigest())
 
 
-def _meta(address: Address, dtype: str) -> dict[bytes, bytes]:
-    return {_ADDRESS_KEY: str(address).encode(), _DTYPE_KEY: dtype.encode()}
-
-
-def _encode(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, str]:
-    tensor = tensor.detach().cpu()
-    if not tensor.is_floating_point():
-        return tensor.numpy(), str(tensor.dtype).removeprefix("torch.")
-    tensor = tensor.to(DTYPES[dtype]).contiguous()
-    if dtype == "bfloat16":
-        return tensor.view(torch.int16).numpy().view(np.uint16), dtype
-    return tensor.numpy(), dtype
-
-
-def _tensor_array(array: np.ndarray) -> pa.Array:
-    if array.ndim == 1:
-        array = array[:, None]
-    return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(array))
-
-
-def column_shape(schema: pa.Schema, name: str) -> tuple[int, ...]:
-    """The per-row shape of tensor column ``name`` (what pandas flattens)."""
-    return tuple(schema.field(name).type.shape)
-
-
-def read_tensor(table: pa.Table, name: str) -> torch.Tensor:
-    """Column ``name`` of a dataset table as one ``[rows, *shape]`` torch tensor, in the dtype it
-    was captured in (``bfloat16`` columns viewed back from their bit pattern)."""
-    field = table.schema.field(name)
-    column = table.column(name).combine_chunks()
-    array = column.to_numpy_ndarray() if isinstance(column, pa.FixedShapeTensorArray) else column.to_numpy()
-    tensor = torch.from_numpy(np.array(array, copy=True))
-    if (field.metadata or {}).get(_DTYPE_KEY) == b"bfloat16":
-        tensor = tensor.view(torch.int16).view(torch.bfloat16)
-    return tensor
+def shard_bytes(table: pa.Table) -> bytes:
+    """The Parquet file of one shard, in memory: hashed, then published in one write."""
+    return write_bytes(table)
 
 
 def read_json_metadata(schema: pa.Schema) -> dict:

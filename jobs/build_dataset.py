@@ -30,7 +30,8 @@ def run(config: BuildConfig):
     try:
         return build_dataset(model, config.prompts, config.points, config.output, layout=config.layout,
                              dtype=config.storage_dtype, shard_size=config.shard_size, overwrite=config.overwrite,
-                             text_key=config.text_key, progress=config.progress)
+                             text_key=config.text_key, progress=config.progress, shuffle=config.shuffle,
+                             seed=config.seed)
     finally:
         model.close()
 

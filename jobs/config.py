@@ -7,7 +7,7 @@ A YAML or JSON file such as::
     replicas: 2
     prompts: prompts.jsonl          # or a list of strings; a relative path is read beside this file
     points: [resid_post.10, mlp_out.10]
-    output: /data/acts/smollm2-l10  # relative: to the working directory; on a cluster, shared storage
+    output: /data/acts/smollm2-l10  # or s3://bucket/prefix (AWS_* credentials); relative: the working dir
     layout: token                   # or sequence
     storage_dtype: bfloat16
 
@@ -60,6 +60,8 @@ class BuildConfig(BaseModel):
     layout: Literal["sequence", "token"] = "sequence"
     storage_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     shard_size: int = Field(64, ge=1)
+    shuffle: bool = Field(False, description="build-time shuffle: shards hold seeded random prompts, rows mixed")
+    seed: int = Field(0, ge=0)
     overwrite: bool = False
     progress: bool = True
 

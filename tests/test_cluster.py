@@ -175,7 +175,7 @@ def test_killing_a_replica_mid_build_changes_nothing(cluster, tiny_path, eager_m
     def killer():
         while len(list(out.glob("part-*.parquet"))) < 3:
             time.sleep(0.01)
-        model.kill_replica(1)
+        model.kill_replica(1, restart=False)  # gone for good: the other replica finishes alone
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
@@ -197,6 +197,7 @@ def test_killing_a_replica_mid_build_changes_nothing(cluster, tiny_path, eager_m
 
 
 def test_dataset_reads_back_with_pyarrow_pandas_and_ray_data(cluster_llama, tmp_path):
+    import numpy as np
     import pandas as pd
     import pyarrow.parquet as pq
 
@@ -210,9 +211,8 @@ def test_dataset_reads_back_with_pyarrow_pandas_and_ray_data(cluster_llama, tmp_
     assert table.num_rows == n and column_shape(table.schema, "z.0") == (width, 4, 64)
     z = read_tensor(table, "z.0")
     assert z.dtype == torch.bfloat16 and z.shape == (n, width, 4, 64)
-    frame = pd.read_parquet(tmp_path / "d")
-    flat = frame["resid_post.1"].iloc[0]
-    assert flat.size == width * 128
+    frame = pd.read_parquet(tmp_path / "d")  # nested arrays, bf16 as its exact float32 values
+    assert np.stack(frame["resid_post.1"].iloc[0]).shape == (width, 128)
     rows = ds.to_ray().take_all()
     assert len(rows) == n and rows[0]["z.0"].shape == (width, 4, 64)
     # bf16 is stored bit for bit: the same capture rounded once
@@ -239,3 +239,52 @@ def test_prompts_from_a_ray_dataset(cluster_llama, tmp_path):
     from_ray = build_dataset(cluster_llama, ray_ds, ["resid_post.0"], tmp_path / "r", shard_size=4, progress=False)
     assert from_ray.manifest["identity"] == from_list.manifest["identity"]
     assert from_ray.to_arrow().equals(from_list.to_arrow())
+
+
+def test_a_crashed_replica_is_restarted_and_the_build_ends_on_both(cluster, tmp_path):
+    """Kill one of two replicas early in a 300-prompt build: Ray restarts it, it rejoins, and the
+    second half of the shards is written by both replicas again. SmolLM2, so that the build
+    outlasts a replica's restart (a new process importing torch and loading the model)."""
+    from interp_engine.embedded import NAME
+    from interp_engine.tokens import pad_batch
+
+    prompts = [f"Note {i}: " + "the cat sat on the mat and looked at the dog. " * 4 for i in range(300)]
+    model = load_model(NAME, replicas=2, gpus_per_replica=0, cpus_per_replica=0.25, torch_threads=1)
+    out = tmp_path / "healed"
+    before = ray.get(model._replicas[1].ping.remote())
+
+    def killer():
+        while len(list(out.glob("part-*.parquet"))) < 3:
+            time.sleep(0.01)
+        model.kill_replica(1)  # a crash: Ray restarts the process (max_restarts=3)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        healed = build_dataset(model, prompts, ["resid_post.10"], out, shard_size=5, progress=False)
+        thread.join(timeout=30)
+        assert ray.get(model._coordinator.rejoined.remote()) >= 1
+    finally:
+        model.close()
+    writers = {int(name[5:10]): rec for name, rec in healed.manifest["shards"].items()}
+    assert len(writers) == 60 and healed.rows == 300
+    second_half = [writers[i] for i in range(30, 60)]
+    assert {w["replica"] for w in second_half} == {0, 1}, "both replicas write the second half"
+    assert before not in {w["pid"] for w in second_half}, "replica 1 runs in a new process"
+    # shards of both replicas, before and after the restart, equal the same batch run here with 1 thread
+    local = load_model(NAME)
+    table = healed.to_arrow()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        restarted = next(i for i in range(30, 60) if writers[i]["replica"] == 1)
+        for shard in sorted({0, 1, 2, restarted, next(i for i in range(30, 60) if writers[i]["replica"] == 0)}):
+            batch = pad_batch([local.tok.encode(p) for p in prompts[shard * 5: shard * 5 + 5]])
+            want = run_with_cache(local, batch, ["resid_post.10"])["resid_post.10"]
+            rows = [r for r, p in enumerate(table.column("prompt_index").to_pylist()) if shard * 5 <= p < shard * 5 + 5]
+            from interp_engine.dataset_shard import read_tensor
+
+            got = read_tensor(table.take(rows), "resid_post.10")[:, : batch.shape[1]]
+            assert torch.equal(got, want), f"shard {shard} (replica {writers[shard]['replica']})"
+    finally:
+        torch.set_num_threads(threads)

@@ -9,7 +9,7 @@ import torch
 from interp_engine import InputError, parse_address, run_with_cache
 from interp_engine.actors.coordinator import CoordinatorCore
 from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
-from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard
+from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard, ShardFailed
 from interp_engine.actors.wire import Packed, unpack_dict
 from interp_engine.cluster import ClusterError, check_capacity
 
@@ -197,3 +197,76 @@ def test_coordinator_keeps_input_order_when_results_arrive_reversed(cores, eager
     assert np.array_equal(got.tokens, tokens.numpy())
     torch.testing.assert_close(_cache_of(got)[parse_address("resid_post.0")], expected["resid_post.0"],
                                rtol=1e-5, atol=1e-5)
+
+
+class Recorder(LocalExecutor):
+    """A LocalExecutor that records which replica each shard ran on, and can hurt chosen shards."""
+
+    def __init__(self, replicas, hurt=None):
+        super().__init__(replicas)
+        self.ran: list[tuple[int, int]] = []
+        self.hurt = hurt or (lambda executor, replica, index: None)
+
+    def submit(self, replica, method, *args):
+        if method == "run":
+            self.hurt(self, replica, args[0])
+            self.ran.append((args[0], replica))
+        return super().submit(replica, method, *args)
+
+
+class Echo:
+    def run(self, index):
+        return index
+
+    def ping(self):
+        return 0
+
+
+def test_a_crashed_replica_rejoins_and_gets_work_again():
+    def crash_early(executor, replica, index):
+        if index == 3 and replica == 1:
+            executor.crash(1)  # this call dies; Ray restarts the replica
+
+    executor = Recorder([Echo(), Echo()], crash_early)
+    scheduler = Scheduler(executor, [0, 1], per_replica=1)
+    out = list(scheduler.run("run", (Shard(i, (i,)) for i in range(40))))
+    assert sorted(r for _, r in out) == list(range(40))
+    assert scheduler.rejoined == 1 and scheduler.dead == [] and scheduler.resubmitted == 1
+    second_half = {replica for index, replica in executor.ran if index >= 20}
+    assert second_half == {0, 1}  # back at full capacity
+
+
+def test_a_shard_that_keeps_failing_stops_the_run_naming_it():
+    def crash_on_7(executor, replica, index):
+        if index == 7:
+            executor.crash(replica)  # shard 7 takes down whichever replica runs it
+
+    scheduler = Scheduler(Recorder([Echo(), Echo()], crash_on_7), [0, 1], per_replica=1,
+                          names={0: "node0000aaaa", 1: "node1111bbbb"})
+    with pytest.raises(ShardFailed, match=r"\[replica \d on node node\d{4}, shard 7\] shard 7 failed 3 times "
+                                          r"\(on replicas \d, \d, \d\); last error: ReplicaDied"):
+        list(scheduler.run("run", (Shard(i, (i,)) for i in range(20))))
+
+    class Flaky(Echo):
+        def run(self, index):
+            if index == 4:
+                raise OSError("store unreachable")
+            return index
+
+    with pytest.raises(ShardFailed, match=r"shard 4 failed 3 times.*OSError: store unreachable"):
+        list(Scheduler(LocalExecutor([Flaky(), Flaky()]), [0, 1]).run("run", (Shard(i, (i,)) for i in range(8))))
+
+
+def test_a_transient_error_is_retried():
+    class Once(Echo):
+        failed = False
+
+        def run(self, index):
+            if index == 2 and not Once.failed:
+                Once.failed = True
+                raise OSError("timeout")
+            return index
+
+    scheduler = Scheduler(LocalExecutor([Once(), Once()]), [0, 1])
+    assert sorted(r for _, r in scheduler.run("run", (Shard(i, (i,)) for i in range(6)))) == list(range(6))
+    assert scheduler.resubmitted == 1

@@ -63,8 +63,8 @@ def test_bf16_model_is_stored_bit_for_bit(tiny_path, tmp_path):
     model = load_model(str(tiny_path("llama")), dtype="bfloat16")
     ds = build_dataset(model, PROMPTS[:3], ["resid_post.1"], tmp_path / "b", layout="token", progress=False)
     assert ds.manifest["identity"]["dtype"] == "bfloat16"
-    field = pq.read_schema(ds.files[0]).field("resid_post.1")
-    assert field.type.value_type == pa.uint16() and field.metadata[b"interp_engine.dtype"] == b"bfloat16"
+    field = pq.read_schema(ds.files[0]).field("resid_post.1")  # exact float32 values, marked bf16
+    assert field.type.value_type == pa.float32() and field.metadata[b"interp_engine.dtype"] == b"bfloat16"
     stored = ds.tensor("resid_post.1")
     tokens = model.tok.to_tokens(PROMPTS[:3])
     cache = run_with_cache(model, tokens, ["resid_post.1"])
@@ -127,3 +127,36 @@ def test_bad_arguments_fail_before_any_work(llama, tmp_path):
     with pytest.raises(DatasetExistsError, match="not a dataset this engine wrote"):
         build_dataset(llama, PROMPTS, ["resid_post.1"], foreign, overwrite=True)
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_shuffled_build_mixes_prompts_and_is_reproducible(llama, tmp_path):
+    plain = build_dataset(llama, PROMPTS, ["resid_post.1"], tmp_path / "plain", layout="token", shard_size=4,
+                          progress=False)
+    mixed = build_dataset(llama, PROMPTS, ["resid_post.1"], tmp_path / "mixed", layout="token", shard_size=4,
+                          shuffle=True, seed=7, progress=False)
+    a, b = plain.to_arrow(), mixed.to_arrow()
+    assert mixed.rows == plain.rows and mixed.manifest["identity"]["shuffle_seed"] == 7
+
+    def keyed(table):
+        rows = read_tensor(table, "resid_post.1")
+        return {(p, q): rows[r] for r, (p, q) in enumerate(zip(table.column("prompt_index").to_pylist(),
+                                                                table.column("position").to_pylist()))}
+
+    want, got = keyed(a), keyed(b)
+    assert got.keys() == want.keys()  # every token once
+    for key, row in want.items():  # each prompt is still captured in a batch of shard_size prompts
+        torch.testing.assert_close(got[key], row, rtol=1e-5, atol=1e-5)
+    first = mixed.to_arrow().slice(0, 20).column("prompt_index").to_pylist()
+    assert len(set(first)) >= 3 and first != sorted(first)  # neighbours come from different prompts
+    shard0 = pq.read_table(mixed.files[0]).column("prompt_index").to_pylist()
+    assert set(shard0) != {0, 1, 2, 3}  # shard 0 holds a random set of prompts
+    again = build_dataset(llama, PROMPTS, ["resid_post.1"], tmp_path / "again", layout="token", shard_size=4,
+                          shuffle=True, seed=7, progress=False)
+    assert [f.read_bytes() for f in again.files] == [f.read_bytes() for f in mixed.files]
+    mixed.files[1].unlink()  # a resume rewrites the same shard
+    resumed = build_dataset(llama, PROMPTS, ["resid_post.1"], tmp_path / "mixed", layout="token", shard_size=4,
+                            shuffle=True, seed=7, progress=False)
+    assert resumed.resumed_shards == 2 and [f.read_bytes() for f in resumed.files] == \
+        [f.read_bytes() for f in again.files]
+    with pytest.raises(InputError, match="seed must be"):
+        build_dataset(llama, PROMPTS, ["resid_post.1"], tmp_path / "x", shuffle=True, seed=-1)

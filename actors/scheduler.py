@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from interp_engine.cluster import ShardFailed
+from interp_engine.cluster_errors import ShardFailed
 
 from .wire import relabel, where
 

@@ -20,18 +20,11 @@ from pathlib import Path
 
 from .address import Address
 from .cache import Cache
+from .cluster_errors import ClusterError as ClusterError
+from .cluster_errors import ShardFailed as ShardFailed
 from .model import CaptureModel, Completion, Sampling
 from .tokens import InputError, Tokenizer
 from .unembedding import FetchedUnembedding, UnembedWeights
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot serve the request (too few resources, replicas that failed to start)."""
-
-
-class ShardFailed(ClusterError):
-    """One shard of the work failed ``max_attempts`` times (its replicas died under it, or it
-    raised something other than an input error); the message names the shard and replicas."""
 
 
 def connect() -> None:

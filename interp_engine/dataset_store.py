@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from .dataset_uri import resolve_output
+
 _RENAMES = ("local", "hdfs")  # filesystems with an atomic rename
 
 
@@ -39,9 +41,7 @@ class Store:
     @classmethod
     def of(cls, output, filesystem: pafs.FileSystem | None = None) -> "Store":
         """A local path, a URI (``s3://bucket/prefix``, ``file://...``) or ``(filesystem, path)``."""
-        from .dataset_uri import resolve_output
-
-        return resolve_output(output, filesystem)
+        return cls(*resolve_output(output, filesystem))
 
     @property
     def is_local(self) -> bool:

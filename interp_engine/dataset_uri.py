@@ -23,17 +23,16 @@ class StorageError(InputError):
     """The dataset's location cannot be used (unknown scheme, no bucket, no credentials, read-only)."""
 
 
-def resolve_output(output, filesystem: pafs.FileSystem | None = None):
-    from .dataset_store import Store
-
+def resolve_output(output, filesystem: pafs.FileSystem | None = None) -> tuple[pafs.FileSystem, str, str]:
+    """``(filesystem, root, label)`` of a dataset's location (see :meth:`.dataset_store.Store.of`)."""
     if isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], pafs.FileSystem):
         filesystem, output = output
     if isinstance(output, Path) or (isinstance(output, str) and not _URI.match(output)):
         if filesystem is not None and filesystem.type_name != "local":
             root = str(output).strip("/") if filesystem.type_name != "hdfs" else str(output)
-            return Store(filesystem, root, f"{filesystem.type_name}:{output}")
+            return (filesystem, root, f"{filesystem.type_name}:{output}")
         path = str(Path(output).expanduser().resolve())  # replicas may run in another folder
-        return Store(filesystem or pafs.LocalFileSystem(), path, path)
+        return (filesystem or pafs.LocalFileSystem(), path, path)
     if not isinstance(output, str):
         raise InputError(f"output must be a path, a URI such as 's3://bucket/prefix', or (pyarrow filesystem, path); "
                          f"got {type(output).__name__}")
@@ -43,14 +42,14 @@ def resolve_output(output, filesystem: pafs.FileSystem | None = None):
                            f"{', '.join(s + '://' for s in SCHEMES)}")
     if filesystem is not None:
         root = output.split("://", 1)[1]
-        return Store(filesystem, root.rstrip("/"), output)
+        return (filesystem, root.rstrip("/"), output)
     try:
         fs, root = pafs.FileSystem.from_uri(output)
     except (OSError, ValueError) as err:
         raise StorageError(f"cannot open {output!r}: {err}") from None
     if fs.type_name == "local":
-        return Store(fs, str(Path(root).resolve()), str(Path(root).resolve()))
-    return Store(fs, root.rstrip("/"), output)
+        return (fs, str(Path(root).resolve()), str(Path(root).resolve()))
+    return (fs, root.rstrip("/"), output)
 
 
 def check_access(store, *, explicit: bool) -> None:

@@ -10,8 +10,8 @@ import os
 import pyarrow.fs as pafs
 import pytest
 
-from interp_engine import (ActivationDataset, DatasetExistsError, DatasetRepairWarning, StorageError,
-                           build_dataset)
+from interp_engine import (ActivationDataset, DatasetCorruptError, DatasetExistsError, DatasetRepairWarning,
+                           StorageError, build_dataset)
 
 from . import s3server
 
@@ -72,11 +72,18 @@ def test_s3_resume_repairs_and_refuses_like_a_folder(s3, llama, local):
     with fs.open_output_stream(bad) as f:
         f.write(bytes(data))
     fs.delete_file("acts/two/ds/" + local.files[3].name)
-    with pytest.raises(Exception, match=local.files[1].name):
+    short = "acts/two/ds/" + local.files[4].name
+    head = fs.open_input_stream(short).read()[:500]
+    with fs.open_output_stream(short) as f:  # truncated
+        f.write(head)
+    with pytest.raises(DatasetCorruptError, match=local.files[1].name):
         ActivationDataset.open(uri, verify=True)
-    with pytest.warns(DatasetRepairWarning, match=local.files[1].name):
+    with pytest.warns(DatasetRepairWarning) as caught:
         again = build_dataset(llama, PROMPTS, POINTS, uri, layout="token", shard_size=4, progress=False)
-    assert again.repaired == (local.files[1].name,) and again.resumed_shards == len(local.files) - 2
+    messages = " ".join(str(w.message) for w in caught)
+    assert local.files[1].name in messages and local.files[4].name in messages
+    assert again.repaired == (local.files[1].name, local.files[4].name)
+    assert again.resumed_shards == len(local.files) - 3
     objects = _objects(s3, "two/ds")
     assert all(objects[f.name] == f.read_bytes() for f in local.files)
     with pytest.raises(DatasetExistsError, match="holds a different dataset.*overwrite=True"):

@@ -61,7 +61,8 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
         rate = dataset.tokens / dataset.seconds if dataset.seconds else 0.0
         echo(f"dataset: {dataset.rows} rows (one per token) in {dataset.shards} Parquet shards, "
              f"{dataset.prompts} prompts, {rate:.0f} tokens/s, at {dataset.path}")
-        echo(f"  read it back: pyarrow.parquet.read_table({str(dataset.path)!r}) or ray.data.read_parquet(...)")
+        echo(f"  read it back: pyarrow.parquet.read_table({str(dataset.path)!r}), or "
+             f"ActivationDataset.open({str(dataset.path)!r}).to_ray() (ray.data.read_parquet waits for a free CPU)")
         return {"rows": dataset.rows, "prompts": prompts, "shards": dataset.shards, "tokens_per_s": rate,
                 "output": str(dataset.path),
                 "nodes": len(set(model.nodes)), "replicas": replicas,

@@ -20,6 +20,10 @@ from .analysis import logit_attribution as logit_attribution
 from .analysis import stack as stack
 from .cache import Cache as Cache
 from .cluster import ClusterError as ClusterError
+from .edits import Add as Add
+from .edits import Scale as Scale
+from .edits import Set as Set
+from .edits import Zero as Zero
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
 from .dataset_manifest import DatasetExistsError as DatasetExistsError

@@ -252,7 +252,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
 
     # The positions spec travels as given (it was checked against these tokens here): each
     # replica resolves it against its own rows and keeps only those rows, so nothing else crosses.
-    def _run(self, tokens, addresses, *, detach, positions=None):
+    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
         from .actors.wire import unpack_dict
 
         if not detach:
@@ -261,7 +261,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses), _spec(positions)))
         return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
 
-    def _generate(self, tokens, addresses, options: Sampling, *, positions=None):
+    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
         from .actors.wire import unpack_dict
 
         generated = self._get(self._coordinator.generate.remote(tokens.numpy(), self._points(addresses),
@@ -275,7 +275,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         fed = torch.from_numpy(generated.tokens.copy())
         return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
 
-    async def _capture(self, tokens, addresses, options, *, positions=None):
+    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
         import ray
 
         from .actors.wire import unpack_dict
@@ -292,7 +292,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
             raise (err.cause if isinstance(err.cause, BaseException) else err) from None
         return unpack_dict(result.tensors)
 
-    async def _generate_async(self, tokens, addresses, options, *, positions=None):
+    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
         import ray
 
         from .actors.wire import unpack_dict

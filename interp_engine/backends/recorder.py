@@ -5,6 +5,12 @@ requested addresses need, on exit it removes every hook, whether the forward fin
 raised. Each forward pass through the hooked model appends one chunk per address, so a
 generation loop (prefill, then one token at a time with a KV cache) records every position;
 :meth:`Recorder.result` joins the chunks along the position axis.
+
+Edits (see :mod:`interp_engine.edits`) go through the same table: the hook that reads a site
+also writes it, editing first, so a capture of the edited address sees the edited value and
+every later module computes from it. ``resid_mid`` is a local variable of a decoder layer, so
+it is written through what the attention block adds (the identity ``resid_mid = resid_pre +
+attn_out``): ``attn_out' = edited(resid_pre + attn_out) - resid_pre``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 from ..address import Address, ModelInfo
 from ..archs import Arch
+from ..edits import Planned, edit_activation
 from ..positions import Selection, gather_positions
 from . import attention
 
@@ -42,7 +49,8 @@ _LAYOUTS = {
 
 class Recorder:
     def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
-                 stop_early: bool = False, positions: Selection | None = None):
+                 stop_early: bool = False, positions: Selection | None = None,
+                 edits: dict[Address, Planned] | None = None):
         self.hf = hf_model
         self.arch = arch
         self.info = info
@@ -57,6 +65,11 @@ class Recorder:
         #: the absolute position of this forward's first row (a KV-cached decode step starts later)
         self.start = 0
         self._index: tuple | None = None
+        self.edits = edits or {}
+        # hook key -> the edits applied there, in forward order; layer -> its (edited) input
+        self._edit_at: dict[tuple, list[Address]] = defaultdict(list)
+        self._stash: dict[tuple, int] = {}
+        self._resid_pre: dict[int, torch.Tensor] = {}
 
     @property
     def layers(self):
@@ -64,7 +77,7 @@ class Recorder:
 
     @property
     def needs_pattern(self) -> bool:
-        return any(a.name == "pattern" for a in self.addresses)
+        return any(a.name == "pattern" for a in [*self.addresses, *self.edits])
 
     def __enter__(self):
         try:
@@ -115,18 +128,32 @@ class Recorder:
                 raise ValueError(f"[Internal] the {self.arch.family} table has no entry for {address.name!r}")
             by_module[(address.layer, hook.module, hook.kind)].append(address)
             self._hooks[address] = hook
+        for address in self.edits:
+            # resid_mid is written through attn_out, from the layer's input (see the module docstring)
+            hook = self.arch.sites["attn_out" if address.name == "resid_mid" else address.name]
+            key = (address.layer, hook.module, hook.kind)
+            by_module.setdefault(key, [])
+            self._edit_at[key].append(address)
+            if address.name == "resid_mid":
+                pre = self.arch.sites["resid_pre"]
+                self._stash[(address.layer, pre.module, pre.kind)] = address.layer
+                by_module.setdefault((address.layer, pre.module, pre.kind), [])
 
-        for (layer, path, kind), addresses in by_module.items():
+        for key, addresses in by_module.items():
+            layer, path, kind = key
             module = self.layers[layer]
             if path:
                 module = module.get_submodule(path)
             if kind == "attention":
-                self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
+                if addresses:
+                    self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
+                if self._edit_at.get(key):
+                    self._stack.enter_context(attention.editing(module, _AttentionEditor(self, self._edit_at[key])))
             elif kind == "in":
-                handle = module.register_forward_pre_hook(self._input_hook(addresses), with_kwargs=True)
+                handle = module.register_forward_pre_hook(self._input_hook(key, addresses), with_kwargs=True)
                 self._stack.callback(handle.remove)
             else:
-                handle = module.register_forward_hook(self._output_hook(addresses))
+                handle = module.register_forward_hook(self._output_hook(key, addresses))
                 self._stack.callback(handle.remove)
         if any(h.layout == "(b p) ..." for h in self._hooks.values()):
             handle = self.hf.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
@@ -151,20 +178,52 @@ class Recorder:
             return tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
         return tensor
 
-    def _input_hook(self, addresses):
+    def _edit(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` after the edits applied at hook ``key`` (the same tensor when there are none)."""
+        for address in self._edit_at.get(key, ()):
+            planned = self.edits[address]
+            if address.name == "resid_mid":
+                pre = self._resid_pre[address.layer]
+                tensor = edit_activation(planned, pre + tensor, self.start) - pre
+            elif address.name == "z":
+                heads = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
+                tensor = edit_activation(planned, heads, self.start).flatten(-2)
+            else:
+                tensor = edit_activation(planned, tensor, self.start)
+        if key in self._stash:
+            self._resid_pre[self._stash[key]] = tensor
+        return tensor
+
+    def _input_hook(self, key, addresses):
         def hook(module, args, kwargs):
-            tensor = _hidden_input(args, kwargs)
+            given = _hidden_input(args, kwargs)
+            tensor = self._edit(key, given)
             for a in addresses:
                 self.keep(a, self._shape(a, tensor))
+            if tensor is not given:
+                if args:
+                    return (tensor, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": tensor}
+            return None
 
         return hook
 
-    def _output_hook(self, addresses):
+    def _output_hook(self, key, addresses):
+        index = self.arch.sites[self._edit_at[key][0].name].index if self._edit_at.get(key) else 0
+
         def hook(module, args, output):
+            edited = output
+            if self._edit_at.get(key):
+                many = isinstance(output, (tuple, list))
+                given = output[index] if many else output
+                tensor = self._edit(key, given)
+                if tensor is not given:
+                    edited = (*output[:index], tensor, *output[index + 1:]) if many else tensor
             for a in addresses:
-                index = self._hooks[a].index
-                tensor = output[index] if isinstance(output, (tuple, list)) else output
+                index_a = self._hooks[a].index
+                tensor = edited[index_a] if isinstance(edited, (tuple, list)) else edited
                 self.keep(a, self._shape(a, tensor))
+            return edited if edited is not output else None
 
         return hook
 
@@ -196,3 +255,40 @@ class Recorder:
             else:
                 out[address] = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
         return out
+
+
+class _AttentionEditor:
+    """Edits of q / k / v (``[b, heads, pos, d_head]`` as attention takes them) and of the
+    pattern of one attention module. With a KV cache the keys and values hold every past
+    position: only this step's are edited, and in the cache itself, so later steps attend to
+    the edited ones (earlier steps were edited when they were computed)."""
+
+    def __init__(self, recorder: Recorder, addresses: list[Address]):
+        self.recorder = recorder
+        self.planned = {a.name: recorder.edits[a] for a in addresses}
+
+    def _edit(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return edit_activation(self.planned[name], tensor.transpose(1, 2), self.recorder.start).transpose(1, 2)
+
+    def inputs(self, query, key, value):
+        q_len = query.shape[2]
+        if "q" in self.planned:
+            query = self._edit("q", query)
+        out = {"k": key, "v": value}
+        for name in ("k", "v"):
+            if name not in self.planned:
+                continue
+            tensor = out[name]
+            step = self._edit(name, tensor[:, :, -q_len:])
+            if tensor.shape[2] == q_len:
+                out[name] = step
+            elif torch.is_grad_enabled():
+                out[name] = torch.cat([tensor[:, :, :-q_len], step], dim=2)
+            else:
+                tensor[:, :, -q_len:] = step  # the cache's own tensor: later steps see the edit
+        return query, out["k"], out["v"]
+
+    def weights(self, weights):
+        if "pattern" not in self.planned:
+            return None
+        return self._edit("pattern", weights)

@@ -134,7 +134,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire())
         return self._loop.submit(job)
 
-    def _run(self, tokens, addresses, *, detach, positions=None):
+    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
         if not detach:
             raise InputError(
                 "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
@@ -143,17 +143,17 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         finished = self._submit(tokens, addresses, None, positions).result()
         return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
 
-    def _generate(self, tokens, addresses, options, *, positions=None):
+    def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
         finished = self._submit(tokens, addresses, options, positions).result()
         return self._completion(finished, tokens, addresses, positions)
 
-    async def _capture(self, tokens, addresses, options, *, positions=None):
+    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
         finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions))
         if options is None:
             return self._cache(finished, tokens, addresses, positions, tokens.shape[1]).to_dict()
         return self._completion(finished, tokens, addresses, positions)[1].to_dict()
 
-    async def _generate_async(self, tokens, addresses, options, *, positions=None):
+    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
         finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions))
         return self._completion(finished, tokens, addresses, positions)
 

@@ -128,7 +128,7 @@ def check_edits(edits, info: ModelInfo, backend: str, unserved, tokens: torch.Te
     planned: dict[Address, Planned] = {}
     for point, edit in edits.items():
         (address,) = _one_address(point, info, backend, unserved)
-        writable = [s for s in WRITABLE.get(backend, ()) if s in info.sites]
+        writable = [s for s in WRITABLE.get(backend, ()) if s in info.sites and s not in unserved]
         if address.name not in writable:
             raise AddressError(
                 f"{address} cannot be edited on the {backend} backend"
@@ -248,7 +248,7 @@ def apply_edit(edit: Edit, block: torch.Tensor) -> torch.Tensor:
     heads = getattr(edit, "heads", None)
     if heads is None:
         return _change(edit, block)
-    index = torch.tensor(heads, device=block.device)
+    index = torch.tensor(heads, dtype=torch.long, device=block.device)
     axis = block.dim() - 2  # the head axis of [..., heads, d]
     new = _change(edit, block.index_select(axis, index))
     return block.index_copy(axis, index, new)

@@ -250,10 +250,11 @@ def test_generation_steering_changes_tokens_at_every_step(model, tokens):
 
 
 def test_kv_edits_persist_in_the_cache(model, tokens):
-    edit = {f"k.{LAYER}": Scale(0.0, positions=[1, 2]), f"v.{LAYER}": Add(torch.ones(64), positions=[0])}
-    _, cache = capture_generation(model, tokens, ["logits"], max_tokens=4, edits=edit)
-    again = run_with_cache(model, cache.tokens, ["logits"], edits=edit)
-    assert_near(cache["logits"], again["logits"], "k/v edits with a KV cache", 1e-5)
+    for edit in ({f"k.{LAYER}": Scale(3.0, positions=[1, 2])}, {f"v.{LAYER}": Add(torch.ones(64), positions=[0])},
+                 {f"v.0": Scale(3.0)}):
+        completion, cache = capture_generation(model, tokens, ["logits"], max_tokens=4, stop_at_eos=False, edits=edit)
+        again = run_with_cache(model, cache.tokens, ["logits"], edits=edit)
+        assert_near(cache["logits"], again["logits"], f"{list(edit)} with a KV cache", 1e-5)
 
 
 @pytest.mark.parametrize("edits, error, words", [

@@ -259,9 +259,10 @@ class Recorder:
 
 class _AttentionEditor:
     """Edits of q / k / v (``[b, heads, pos, d_head]`` as attention takes them) and of the
-    pattern of one attention module. With a KV cache the keys and values hold every past
-    position: only this step's are edited, and in the cache itself, so later steps attend to
-    the edited ones (earlier steps were edited when they were computed)."""
+    pattern of one attention module. The cache update runs before attention, so the keys and
+    values given here are the KV cache's own tensors, holding every past position: this step's
+    are edited in place, so later steps attend to the edited ones (earlier steps were edited when
+    they were computed)."""
 
     def __init__(self, recorder: Recorder, addresses: list[Address]):
         self.recorder = recorder
@@ -280,12 +281,10 @@ class _AttentionEditor:
                 continue
             tensor = out[name]
             step = self._edit(name, tensor[:, :, -q_len:])
-            if tensor.shape[2] == q_len:
-                out[name] = step
-            elif torch.is_grad_enabled():
-                out[name] = torch.cat([tensor[:, :, :-q_len], step], dim=2)
+            if torch.is_grad_enabled():  # no KV cache is kept with gradients (run_with_cache)
+                out[name] = step if tensor.shape[2] == q_len else torch.cat([tensor[:, :, :-q_len], step], dim=2)
             else:
-                tensor[:, :, -q_len:] = step  # the cache's own tensor: later steps see the edit
+                tensor[:, :, -q_len:] = step  # the KV cache's own tensor: later steps see the edit
         return query, out["k"], out["v"]
 
     def weights(self, weights):

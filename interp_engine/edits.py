@@ -31,7 +31,7 @@ from typing import Union
 
 import torch
 
-from .address import Address, AddressError, ModelInfo, check_points
+from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
 from .positions import Selection, check_spec, resolve
 from .tokens import InputError
 
@@ -126,18 +126,28 @@ def check_edits(edits, info: ModelInfo, backend: str, unserved, tokens: torch.Te
                          f"got {type(edits).__name__}")
     lengths = (tokens >= 0).sum(dim=1).tolist()
     planned: dict[Address, Planned] = {}
+    writable = [s for s in WRITABLE.get(backend, ()) if s in info.sites and s not in unserved]
     for point, edit in edits.items():
-        (address,) = _one_address(point, info, backend, unserved)
-        writable = [s for s in WRITABLE.get(backend, ()) if s in info.sites and s not in unserved]
-        if address.name not in writable:
+        name = _site_name(point)
+        if name not in writable:
             raise AddressError(
-                f"{address} cannot be edited on the {backend} backend"
-                + (" (vLLM never forms the attention pattern)" if address.name == "pattern" else "")
+                f"{point!r} cannot be edited on the {backend} backend"
+                + (" (vLLM never forms the attention pattern)" if name == "pattern" else "")
                 + f"; writable sites of this model there: {', '.join(writable)}")
+        (address,) = _one_address(point, info, backend, unserved)
         if address in planned:
             raise InputError(f"two edits on {address}: give one edit per address")
         planned[address] = _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
     return planned or None
+
+
+def _site_name(point) -> str:
+    """The site an edit's key names (an unknown one is an AddressError listing the known)."""
+    if isinstance(point, str):
+        name = point.split(".")[0]
+        if name in SITES:
+            return name
+    return to_address(point).name
 
 
 def _one_address(point, info, backend, unserved) -> list[Address]:

@@ -260,9 +260,10 @@ def test_kv_edits_persist_in_the_cache(model, tokens):
 @pytest.mark.parametrize("edits, error, words", [
     ({"resid_pst.1": Zero()}, AddressError, "known sites"),
     ({"resid_post.9": Zero()}, AddressError, "layer"),
-    ({"router_logits.1": Zero()}, AddressError, "no MoE router"),
+    ({"router_logits.1": Zero()}, AddressError, "writable sites of this model there: resid_pre, attn_out"),
     ({"resid_streams.1.0": Zero()}, AddressError, "writable sites of this model"),
-    ({"logits": Zero()}, AddressError, "one layer's address"),
+    ({"logits": Zero()}, AddressError, "'logits' cannot be edited"),
+    ({"resid_post": Zero()}, AddressError, "one layer's address"),
     ({"resid_post.1": Add(torch.zeros(7))}, InputError, "[128]"),
     ({"z.1": Set(torch.zeros(5, 64))}, InputError, "[4, 64]"),
     ({"resid_post.1": Zero(positions=[40])}, InputError, "out of range"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .address import Address
 from .cache import Cache
+from .edits import to_plain
 from .model import CaptureModel, Completion, Sampling
 from .tokens import InputError, Tokenizer
 from .unembedding import FetchedUnembedding, UnembedWeights
@@ -258,14 +259,16 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         if not detach:
             raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses), _spec(positions)))
+        captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses), _spec(positions),
+                                                          to_plain(edits)))
         return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
 
     def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
         from .actors.wire import unpack_dict
 
         generated = self._get(self._coordinator.generate.remote(tokens.numpy(), self._points(addresses),
-                                                                dataclasses.asdict(options), _spec(positions)))
+                                                                dataclasses.asdict(options), _spec(positions),
+                                                                to_plain(edits)))
         return self._completion(generated, unpack_dict)
 
     def _completion(self, generated, unpack_dict):
@@ -282,10 +285,10 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
 
         points = self._points(addresses)
         if options is None:
-            ref = self._coordinator.run.remote(tokens.numpy(), points, _spec(positions))
+            ref = self._coordinator.run.remote(tokens.numpy(), points, _spec(positions), to_plain(edits))
         else:
             ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options),
-                                                    _spec(positions))
+                                                    _spec(positions), to_plain(edits))
         try:
             result = await ref
         except ray.exceptions.RayTaskError as err:
@@ -298,7 +301,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         from .actors.wire import unpack_dict
 
         ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options),
-                                                _spec(positions))
+                                                _spec(positions), to_plain(edits))
         try:
             generated = await ref
         except ray.exceptions.RayTaskError as err:

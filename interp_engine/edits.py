@@ -32,7 +32,7 @@ from typing import Union
 import torch
 
 from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
-from .positions import Selection, check_spec, resolve
+from .positions import Selection, check_spec, resolve, spec_to_json
 from .tokens import InputError
 
 
@@ -176,7 +176,7 @@ def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
     block = block_shape(address, info, tokens.shape[1])
     if heads is not None:
         block = (len(heads), *block[1:])
-    changes = {"heads": heads}
+    changes = {"heads": heads, "positions": positions}
     full = False
     if isinstance(edit, Add):
         changes["vector"] = _fit(address, "vector", edit.vector, block, address.name == "pattern")
@@ -344,6 +344,47 @@ def from_wire(data: dict) -> Edit:
     if kind == "zero":
         return Zero(heads=heads)
     raise ValueError(f"[Internal] unknown edit kind {kind!r} on the wire")
+
+
+def to_plain(planned: dict[Address, Planned] | None) -> dict | None:
+    """Checked edits as plain data for a cluster replica: numbers, lists, numpy arrays, and the
+    positions spec as given (each replica resolves it against its own rows). No code."""
+    if not planned:
+        return None
+    out = {}
+    for address, p in planned.items():
+        if not isinstance(p.edit, EDITS):
+            raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
+                             f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
+        if p.full:
+            raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
+                             f"cluster replicas; give one position's value with positions=, or run locally")
+        data = wire(p)
+        for key in ("vector", "value"):
+            if key in data:
+                data[key] = getattr(p.edit, key).numpy()
+        data["positions"] = spec_to_json(p.edit.positions)
+        data.pop("after")
+        out[str(address)] = data
+    return out
+
+
+def from_plain(plain: dict | None) -> dict[str, Edit] | None:
+    """The edits :func:`to_plain` described, ready for ``edits=`` on the replica's model."""
+    if not plain:
+        return None
+    out = {}
+    for point, data in plain.items():
+        data = dict(data)
+        for key in ("vector", "value"):
+            if key in data:
+                data[key] = torch.from_numpy(data[key].copy()).flatten().tolist()
+        edit = from_wire({**data, "heads": data.get("heads")})
+        positions = data["positions"]
+        if isinstance(positions, dict):
+            positions = slice(*positions["slice"])
+        out[point] = dataclasses.replace(edit, positions=positions)
+    return out
 
 
 FunctionEdit = Callable[[torch.Tensor, Address], torch.Tensor]

@@ -85,16 +85,21 @@ def test_greedy_generation_with_a_steering_vector_equals_eager(models):
 
 
 def test_concurrent_requests_never_share_edits(models):
-    """32 requests in flight on one engine, half of them with edits (each its own): every one
-    equals the same request made alone; the edits are large, so a leak would show by far."""
+    """32 requests in flight on one engine, half of them with edits (four share one edit, the
+    others each their own): every one equals the same request made alone; the edits are large,
+    so a leak would show by far."""
     vllm_model, eager = models
     prompts = [eager.to_tokens(f"request {i} " + "x" * (i % 5)) for i in range(32)]
     g = torch.Generator().manual_seed(1)
     sites = ["resid_post", "resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "mlp_post", "v"]
+    shared = {"resid_post.0": Add(torch.randn(eager.d_model, generator=g), scale=5.0)}  # one entry, many rows
     edits = []
     for i in range(32):
         if i % 2:
             edits.append(None)
+            continue
+        if i % 8 == 2:
+            edits.append(shared)
             continue
         site = sites[(i // 2) % len(sites)]
         edit = Add(torch.randn(_block(eager, site), generator=g), scale=5.0,

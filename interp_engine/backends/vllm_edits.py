@@ -23,38 +23,66 @@ Written against vLLM 0.32.0 (the same internals as :mod:`.vllm_hooks`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import torch
 
 from ..address import Address, parse_address
 from ..edits import Add, Set, apply_edit, from_wire
 
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One edit as registered: the edit, the prompt positions it edits (None: all), the first
+    generated position it edits (None: none unless all), and how many requests hold it."""
+
+    edit: object
+    wanted: torch.Tensor | None
+    after: int | None
+    key: str
+    holders: int = 0
+
+
 class EditBook:
-    """The registered requests' edits on one worker, and which rows of this forward they touch."""
+    """The registered requests' edits on one worker, and which rows of this forward they touch.
+
+    Requests that carry the same edit (the same steering vector on many prompts) share one
+    entry, so each forward applies it once to all their rows together."""
 
     def __init__(self, table, info: dict, tp_rank: int = 0, tp_size: int = 1):
         self.table = table
         self.info = info  # n_heads, n_kv_heads, d_head, d_mlp (whole model)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        # request -> address -> (edit, prompt positions edited or None = all, first generated edited)
-        self.edits: dict[str, dict[Address, tuple]] = {}
+        # request -> address -> its entry
+        self.edits: dict[str, dict[Address, _Entry]] = {}
+        # the edit's wire form -> the entry every request with that edit shares
+        self._shared: dict[str, _Entry] = {}
         # this forward: (request, first row, end row) of the requests with edits
         self.spans: list[tuple[str, int, int]] = []
         self.positions = torch.empty(0, dtype=torch.long)
         self._resid_pre: dict[int, torch.Tensor] = {}
+        self._rows_of: dict[tuple, torch.Tensor] = {}
         self._local: dict[tuple, object] = {}
 
     def register(self, rid: str, edits: dict) -> None:
         book = {}
         for point, data in edits.items():
-            positions = data.get("positions")
-            book[parse_address(point)] = (from_wire(data),
-                                          None if positions is None else torch.tensor(positions, dtype=torch.long),
-                                          data.get("after"))
+            key = json.dumps(data, sort_keys=True)
+            if key not in self._shared:
+                positions = data.get("positions")
+                wanted = None if positions is None else torch.tensor(positions, dtype=torch.long)
+                self._shared[key] = _Entry(from_wire(data), wanted, data.get("after"), key)
+            entry = self._shared[key]
+            entry.holders += 1
+            book[parse_address(point)] = entry
         self.edits[rid] = book
 
     def forget(self, rid: str) -> None:
-        self.edits.pop(rid, None)
-        self._local = {k: v for k, v in self._local.items() if k[0] != rid}
+        for entry in self.edits.pop(rid, {}).values():
+            entry.holders -= 1
+            if not entry.holders and self._shared.get(entry.key) is entry:
+                del self._shared[entry.key]
+                self._local = {k: v for k, v in self._local.items() if k[0] != id(entry)}
 
     def addresses(self) -> set[Address]:
         return set().union(*(set(book) for book in self.edits.values())) if self.edits else set()
@@ -63,24 +91,26 @@ class EditBook:
         self.spans = [span for span in spans if span[0] in self.edits]
         self.positions = positions
         self._resid_pre = {}
+        self._rows_of = {}
 
     # -- applying -------------------------------------------------------------------------------
     def edit(self, address: Address, tensor: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
         """``tensor`` (flat rows) with this forward's edits at ``address``: for each edited row
         ``edited(tensor + offset) - offset`` (``offset`` None: ``edited(tensor)``). A new tensor
         when some row changes, else ``tensor`` itself."""
-        out = None
+        groups: dict[int, tuple] = {}
         for rid, start, end in self.spans:
-            planned = self.edits[rid].get(address)
-            if planned is None:
-                continue
-            edit, wanted, after = planned
-            rows = self._rows(start, end, wanted, after)
+            entry = self.edits[rid].get(address)
+            if entry is not None:
+                groups.setdefault(id(entry), (entry, []))[1].append((start, end))
+        out = None
+        for entry, spans in groups.values():
+            rows = self._rows(entry, tuple(spans))
             if rows is None:
                 continue
             x = tensor[rows] if offset is None else tensor[rows] + offset[rows]
             block = self._block(address, x)
-            new = apply_edit(self._localized(rid, address, edit), x.unflatten(-1, block)).flatten(-len(block))
+            new = apply_edit(self._localized(entry, address), x.unflatten(-1, block)).flatten(-len(block))
             if offset is not None:
                 new = new - offset[rows]
             if out is None:
@@ -88,15 +118,26 @@ class EditBook:
             out[rows] = new.to(out.dtype)
         return tensor if out is None else out
 
-    def _rows(self, start: int, end: int, wanted, after):
-        if wanted is None:
-            return slice(start, end)
-        here = self.positions[start:end]
-        hit = torch.isin(here, wanted)
-        if after is not None:
-            hit |= here >= after
-        local = hit.nonzero().flatten()
-        return start + local if len(local) else None
+    def _rows(self, entry, spans: tuple):
+        """The rows of ``spans`` (requests sharing ``entry``) that it edits: a slice or an index
+        (None: none). Computed once per forward for each entry and set of requests."""
+        key = (id(entry), spans)
+        if key in self._rows_of:
+            return self._rows_of[key]
+        wanted, after = entry.wanted, entry.after
+        if wanted is None and len(spans) == 1:
+            rows = slice(*spans[0])
+        else:
+            index = torch.cat([torch.arange(s, e) for s, e in spans])
+            if wanted is not None:
+                here = self.positions[index]
+                hit = torch.isin(here, wanted)
+                if after is not None:
+                    hit |= here >= after
+                index = index[hit]
+            rows = index if len(index) else None
+        self._rows_of[key] = rows
+        return rows
 
     def _block(self, address: Address, x: torch.Tensor) -> tuple[int, ...]:
         """One position's block at ``address`` as this rank holds it."""
@@ -104,12 +145,13 @@ class EditBook:
             return (x.shape[-1] // self.info["d_head"], self.info["d_head"])
         return (x.shape[-1],)
 
-    def _localized(self, rid: str, address: Address, edit):
-        """The edit as it applies to this rank's block of a sharded site (cached per request)."""
+    def _localized(self, entry, address: Address):
+        """The edit as it applies to this rank's block of a sharded site (cached per entry)."""
+        edit = entry.edit
         shard = self.table[address.name].shard
         if self.tp_size == 1 or not shard:
             return edit
-        key = (rid, address)
+        key = (id(entry), shard)
         if key not in self._local:
             self._local[key] = _localize(edit, address, shard, self.info, self.tp_rank, self.tp_size)
         return self._local[key]
@@ -124,8 +166,6 @@ class EditBook:
 
 def _localize(edit, address: Address, shard: str, info: dict, rank: int, tp: int):
     """This rank's part of ``edit`` on a site sharded by heads / kv heads / columns."""
-    import dataclasses
-
     if shard == "cols":
         width = info["d_mlp"] // tp
         lo, hi = rank * width, (rank + 1) * width

@@ -26,6 +26,7 @@ edited model, and a capture of the edited address itself returns the value after
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from typing import Union
 
@@ -317,13 +318,21 @@ def wire(planned: Planned, row: int = 0) -> dict:
     """One planned edit as plain data for a vLLM worker (lists and numbers; no code)."""
     edit = planned.edit
     out: dict = {"kind": type(edit).__name__.lower(), "heads": list(edit.heads) if edit.heads else None}
+    digest = hashlib.blake2b(repr((out["kind"], out["heads"])).encode(), digest_size=16)
     if isinstance(edit, Add):
-        out.update(vector=edit.vector.tolist(), shape=list(edit.vector.shape), scale=edit.scale,
+        out.update(vector=edit.vector.flatten().tolist(), shape=list(edit.vector.shape), scale=edit.scale,
                    norm_relative=edit.norm_relative)
+        digest.update(repr((edit.scale, edit.norm_relative, out["shape"])).encode())
+        digest.update(edit.vector.contiguous().numpy().tobytes())
     elif isinstance(edit, Scale):
         out["factor"] = edit.factor
+        digest.update(repr(edit.factor).encode())
     elif isinstance(edit, Set):
         out.update(value=edit.value.flatten().tolist(), shape=list(edit.value.shape))
+        digest.update(repr(out["shape"]).encode())
+        digest.update(edit.value.contiguous().numpy().tobytes())
+    #: equal edits have equal digests (a worker applies them to all their rows at once)
+    out["digest"] = digest.hexdigest()
     sel = planned.selection
     out["positions"] = None if sel is None else list(sel.rows[row])
     out["after"] = None if sel is None else sel.after[row]

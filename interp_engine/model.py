@@ -204,13 +204,8 @@ class CaptureModel:
 
     def _edits(self, edits, tokens: torch.Tensor, options: Sampling | None = None) -> dict[Address, Planned] | None:
         """``edits=`` checked against this model and the checked batch (see edits.py)."""
-        return check_edits(edits, self.info, self.edit_backend, self.unserved, tokens,
+        return check_edits(edits, self.info, self.backend, self.unserved, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
-
-    #: the backend whose writable sites apply (a cluster names its replicas')
-    @property
-    def edit_backend(self) -> str:
-        return self.backend
 
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:

@@ -24,7 +24,6 @@ Written against vLLM 0.32.0 (the same internals as :mod:`.vllm_hooks`).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
@@ -39,8 +38,14 @@ class _Entry:
     edit: object
     wanted: torch.Tensor | None
     after: int | None
-    key: str
+    key: tuple
     holders: int = 0
+
+
+def _key(data: dict) -> tuple:
+    """Equal edits at equal positions share an entry (the digest stands for the edit's values)."""
+    positions = data.get("positions")
+    return data["digest"], None if positions is None else tuple(positions), data.get("after")
 
 
 class EditBook:
@@ -56,7 +61,7 @@ class EditBook:
         # request -> address -> its entry
         self.edits: dict[str, dict[Address, _Entry]] = {}
         # the edit's wire form -> the entry every request with that edit shares
-        self._shared: dict[str, _Entry] = {}
+        self._shared: dict[tuple, _Entry] = {}
         # this forward: (request, first row, end row) of the requests with edits
         self.spans: list[tuple[str, int, int]] = []
         self.positions = torch.empty(0, dtype=torch.long)
@@ -67,7 +72,7 @@ class EditBook:
     def register(self, rid: str, edits: dict) -> None:
         book = {}
         for point, data in edits.items():
-            key = json.dumps(data, sort_keys=True)
+            key = _key(data)
             if key not in self._shared:
                 positions = data.get("positions")
                 wanted = None if positions is None else torch.tensor(positions, dtype=torch.long)
@@ -125,8 +130,8 @@ class EditBook:
         if key in self._rows_of:
             return self._rows_of[key]
         wanted, after = entry.wanted, entry.after
-        if wanted is None and len(spans) == 1:
-            rows = slice(*spans[0])
+        if wanted is None and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            rows = slice(spans[0][0], spans[-1][1])  # adjacent requests: one view, no gather
         else:
             index = torch.cat([torch.arange(s, e) for s, e in spans])
             if wanted is not None:

@@ -129,8 +129,7 @@ class Recorder:
             by_module[(address.layer, hook.module, hook.kind)].append(address)
             self._hooks[address] = hook
         for address in self.edits:
-            # resid_mid is written through attn_out, from the layer's input (see the module docstring)
-            hook = self.arch.sites["attn_out" if address.name == "resid_mid" else address.name]
+            hook = self._write_hook(address)
             key = (address.layer, hook.module, hook.kind)
             by_module.setdefault(key, [])
             self._edit_at[key].append(address)
@@ -165,6 +164,11 @@ class Recorder:
             last = max(layered)
             handle = self.layers[last].register_forward_hook(self._stop)
             self._stack.callback(handle.remove)
+
+    def _write_hook(self, address: Address):
+        """Where an edit of ``address`` is written: its own hook, except resid_mid, written through
+        attn_out from the layer's input (see the module docstring)."""
+        return self.arch.sites["attn_out" if address.name == "resid_mid" else address.name]
 
     def _batch_hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -209,7 +213,8 @@ class Recorder:
         return hook
 
     def _output_hook(self, key, addresses):
-        index = self.arch.sites[self._edit_at[key][0].name].index if self._edit_at.get(key) else 0
+        written = self._edit_at.get(key)
+        index = self._write_hook(written[0]).index if written else 0
 
         def hook(module, args, output):
             edited = output

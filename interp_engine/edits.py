@@ -81,7 +81,7 @@ EDITS = (Add, Scale, Set, Zero)
 #: sites an edit may write, per backend (the site must also be served by the model's family)
 WRITABLE = {
     "eager": ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v",
-              "pattern"),
+              "pattern", "resid_streams"),
     "vllm": ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v"),
 }
 #: sites whose per-position block has a head axis (``heads=`` applies)

@@ -129,6 +129,7 @@ def test_concurrent_requests_never_share_edits(models):
 @pytest.mark.parametrize("edits, error, words", [
     ({"resid_post.1": lambda t, a: t}, InputError, "eager backend only"),
     ({"pattern.1": Zero()}, AddressError, "vLLM never forms the attention pattern"),
+    ({"resid_streams.1.0": Zero()}, AddressError, "cannot be edited on the vllm backend"),
     ({"resid_post.1": Add(torch.zeros(3))}, InputError, "[128]"),
     ({"z.1": Zero(heads=[9])}, InputError, "valid: 0..3"),
     ({"resid_post.1": Zero(positions=[99])}, InputError, "out of range"),

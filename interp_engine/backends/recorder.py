@@ -47,6 +47,14 @@ _LAYOUTS = {
 }
 
 
+#: a multi-stream layout as ``[batch, pos, stream, d]`` and back (for writing one stream)
+_STREAM_VIEWS = {
+    "b p s d": (lambda t, n: t, lambda t: t),
+    "s b p d": (lambda t, n: t.permute(1, 2, 0, 3), lambda t: t.permute(2, 0, 1, 3)),
+    "b p (s d)": (lambda t, n: t.unflatten(-1, (n, -1)), lambda t: t.flatten(-2)),
+}
+
+
 class Recorder:
     def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
                  stop_early: bool = False, positions: Selection | None = None,
@@ -192,11 +200,26 @@ class Recorder:
             elif address.name == "z":
                 heads = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
                 tensor = edit_activation(planned, heads, self.start).flatten(-2)
+            elif address.name == "resid_streams":
+                tensor = self._edit_stream(planned, tensor)
             else:
                 tensor = edit_activation(planned, tensor, self.start)
         if key in self._stash:
             self._resid_pre[self._stash[key]] = tensor
         return tensor
+
+    def _edit_stream(self, planned: Planned, tensor: torch.Tensor) -> torch.Tensor:
+        """Edit one stream of a layer's multi-stream output, in the table's layout (a single-stream
+        model's only stream is the output itself)."""
+        layout, s = self.arch.sites["resid_streams"].layout, planned.address.stream
+        if not layout:
+            return edit_activation(planned, tensor, self.start)
+        to_bpsd, from_bpsd = _STREAM_VIEWS[layout]
+        streams = to_bpsd(tensor, self.info.n_streams)
+        edited = edit_activation(planned, streams[:, :, s], self.start)
+        out = streams.clone()
+        out[:, :, s] = edited
+        return from_bpsd(out)
 
     def _input_hook(self, key, addresses):
         def hook(module, args, kwargs):

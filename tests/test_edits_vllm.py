@@ -142,3 +142,27 @@ def test_bad_edits_on_vllm_are_clear_errors(models, edits, error, words):
         run_with_cache(vllm_model, tokens, ["logits"], edits=edits)
     after = run_with_cache(vllm_model, tokens, ["logits"])
     assert torch.equal(after["logits"], before["logits"])
+
+
+@pytest.fixture(scope="module")
+def gemma2(tiny_path, eager_models, models):
+    """Gemma 2 (block outputs normed before the add; embeddings scaled): the same edits through
+    its own site table. Started after the Llama engine's tests (``models`` first)."""
+    from interp_engine import load_model
+
+    with load_model(str(tiny_path("gemma2")), backend="vllm", max_model_len=128) as vllm_model:
+        yield vllm_model, eager_models("gemma2")
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_gemma2_edits_equal_eager(gemma2, site):
+    vllm_model, eager = gemma2
+    tokens = eager.to_tokens(PROMPT)
+    address = f"{site}.{LAYER}"
+    points = ["logits", address, f"resid_post.{eager.n_layers - 1}"]
+    for kind in ("add", "zero"):
+        edit = _edits(eager, site)[kind]
+        want = run_with_cache(eager, tokens, points, edits={address: edit})
+        got = run_with_cache(vllm_model, tokens, points, edits={address: edit})
+        for point in points:
+            assert_near(got[point], want[point], f"gemma2 {address} {kind}: {point}", REL)

@@ -74,7 +74,11 @@ def _kinds(model, site, length):
     }
 
 
-def _oracle(model, tokens, site, fn):
+#: Gemma 2 normalises each block's output before the add: its block outputs are those norms
+GEMMA2_OUT = {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm", "resid_post": ""}
+
+
+def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT):
     """Logits and resid_post of the last layer with ``fn`` applied to ``site.LAYER`` by hand."""
     hf = model.hf
     layer = hf.model.layers[LAYER]
@@ -83,8 +87,8 @@ def _oracle(model, tokens, site, fn):
     forward = None
     name = f"oracle_{site}"
     try:
-        if site in LLAMA_OUT:
-            module = layer.get_submodule(LLAMA_OUT[site])
+        if site in outputs:
+            module = layer.get_submodule(outputs[site])
             handles.append(module.register_forward_hook(
                 lambda m, a, o: (fn(o[0]), *o[1:]) if isinstance(o, tuple) else fn(o)))
         elif site in LLAMA_IN:
@@ -163,6 +167,19 @@ def test_edit_equals_hand_written_hook(model, tokens, site, kind):
     assert not torch.allclose(got["logits"], plain["logits"]), "the edit changed nothing: a test that cannot fail"
     assert_near(got["logits"], want_logits, f"{site} {kind} logits", 1e-5)
     assert_near(got[last], want_last, f"{site} {kind} {last}", 1e-5)
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "attn_out", "mlp_out", "resid_post", "z", "mlp_post"])
+def test_gemma2_edit_equals_hand_written_hook(eager_models, site):
+    model = eager_models("gemma2")
+    tokens = model.to_tokens(PROMPT)
+    for kind in ("add", "zero"):
+        edit, fn = _kinds(model, site, tokens.shape[1])[kind]
+        last = f"resid_post.{model.n_layers - 1}"
+        got = run_with_cache(model, tokens, ["logits", last], edits={f"{site}.{LAYER}": edit})
+        want_logits, want_last = _oracle(model, tokens, site, fn, GEMMA2_OUT)
+        assert_near(got["logits"], want_logits, f"gemma2 {site} {kind} logits", 1e-5)
+        assert_near(got[last], want_last, f"gemma2 {site} {kind} {last}", 1e-5)
 
 
 @pytest.mark.parametrize("site", ["resid_mid", "resid_post", "z", "attn_out"])

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
 from typing import Union
 
 import torch
@@ -395,5 +394,3 @@ def from_plain(plain: dict | None) -> dict[str, Edit] | None:
         out[point] = dataclasses.replace(edit, positions=positions)
     return out
 
-
-FunctionEdit = Callable[[torch.Tensor, Address], torch.Tensor]

@@ -357,3 +357,15 @@ def test_resid_streams_edit_equals_hand_written_hook(family, tmp_path):
     assert not torch.allclose(got["logits"], plain["logits"])
     assert_near(got["logits"], want, f"{family} {address}", 1e-5)
     assert_near(got[address], plain[address] + 3.0 * vector, f"{family} {address} captured after the edit", 1e-6)
+
+
+def test_async_capture_takes_edits(model, tokens):
+    import asyncio
+
+    edits = {f"z.{LAYER}": Zero(heads=[0]), "mlp_out.0": Scale(2.0, positions=[-1])}
+    got = asyncio.run(model.capture(tokens, ["logits"], edits=edits))
+    want = run_with_cache(model, tokens, ["logits"], edits=edits)
+    assert torch.equal(next(iter(got.values())), want["logits"])
+    completion, cache = asyncio.run(model.capture_generation_async(tokens, ["logits"], max_tokens=3, edits=edits))
+    again, _ = capture_generation(model, tokens, ["logits"], max_tokens=3, edits=edits)
+    assert completion.token_ids == again.token_ids

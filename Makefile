@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) bench/vllm_capture.py
 	$(PY) bench/cluster_dataset.py
 	$(PY) bench/positions_vllm.py
+	$(PY) bench/edits_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -60,14 +60,16 @@ def join_rows(parts: list[dict[Address, torch.Tensor]], tokens: list[torch.Tenso
     return joined, padded, torch.cat([F.pad(p, (0, held - p.shape[1]), value=-1) for p in positions])
 
 
-def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Address], positions=None) -> Cache:
+def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Address], positions=None,
+               edits=None) -> Cache:
     """``model.run_with_cache`` on a padded batch, one row at a time where the model takes one
     prompt per call; the result is the padded batch a batched model would return. ``positions``
-    is a positions spec: each row resolves it against its own length, as a batched model does."""
+    is a positions spec: each row resolves it against its own length, as a batched model does;
+    so are the positions of ``edits``."""
     if model.batched or tokens.shape[0] == 1 and bool((tokens >= 0).all()):
-        return model.run_with_cache(tokens, addresses, positions=positions)
+        return model.run_with_cache(tokens, addresses, positions=positions, edits=edits)
     rows = [row[row >= 0][None] for row in tokens]
-    caches = [model.run_with_cache(row, addresses, positions=positions) for row in rows]
+    caches = [model.run_with_cache(row, addresses, positions=positions, edits=edits) for row in rows]
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)
     return Cache(joined, padded, None, model.name, model.backend, held)

@@ -55,9 +55,9 @@ class CoordinatorCore:
             self.resubmitted += scheduler.resubmitted
             self.rejoined += scheduler.rejoined
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None) -> Captured:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> Captured:
         tokens = np.asarray(tokens)
-        shards = self._row_shards(tokens, list(points), positions)
+        shards = self._row_shards(tokens, list(points), positions, edits)
         scheduler = self._scheduler()
         results: dict[int, Captured] = {}
         try:
@@ -74,18 +74,20 @@ class CoordinatorCore:
                                          tokens.shape[1], held)
         return Captured(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
 
-    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None) -> list[Shard]:
-        """Row shards; each carries the positions spec, which every replica resolves per row."""
+    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
+        """Row shards; each carries the positions spec and the edits (plain data, their positions
+        specs as given), which every replica resolves per row."""
         if not self.batched:
             rows = [row[row >= 0][None] for row in tokens]
-            return [Shard(i, (row, points, positions)) for i, row in enumerate(rows)]
+            return [Shard(i, (row, points, positions, edits)) for i, row in enumerate(rows)]
         bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
-        return [Shard(i, (tokens[a:b], points, positions)) for i, (a, b) in enumerate(bounds)]
+        return [Shard(i, (tokens[a:b], points, positions, edits)) for i, (a, b) in enumerate(bounds)]
 
-    def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None) -> Generated:
+    def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
+                 edits=None) -> Generated:
         scheduler = self._scheduler()
         try:
-            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions))]):
+            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions, edits))]):
                 return generated
         finally:
             self._forget(scheduler)
@@ -160,11 +162,11 @@ def coordinator_actor():
             self.core = CoordinatorCore(RayExecutor(handles), len(handles), batched=batched,
                                         per_replica=per_replica, names=names)
 
-        def run(self, tokens, points, positions=None):
-            return self.core.run(tokens, points, positions)
+        def run(self, tokens, points, positions=None, edits=None):
+            return self.core.run(tokens, points, positions, edits)
 
-        def generate(self, tokens, points, options, positions=None):
-            return self.core.generate(tokens, points, options, positions)
+        def generate(self, tokens, points, options, positions=None, edits=None):
+            return self.core.generate(tokens, points, options, positions, edits)
 
         def build(self, build_id, spec, source, skip):
             return self.core.build(build_id, spec, source, skip)

@@ -18,6 +18,7 @@ import torch
 
 from interp_engine.address import parse_address
 from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
+from interp_engine.edits import from_plain
 from interp_engine.model import CaptureModel
 
 from .batching import run_padded
@@ -79,20 +80,21 @@ class ReplicaCore:
     def weights_sha256(self) -> str:
         return self.model.facts()["weights_sha256"]
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None) -> Captured:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> Captured:
         """Capture a padded batch (split per prompt where the backend takes one at a time).
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
-        are ever returned."""
+        are ever returned. ``edits``: plain data (:func:`interp_engine.edits.to_plain`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions)
+        cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
         captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
         return captured
 
-    def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None) -> Generated:
+    def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
+                 edits=None) -> Generated:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
-                                                          positions=positions, **options)
+                                                          positions=positions, edits=from_plain(edits), **options)
         generated = Generated(completion.text, list(completion.token_ids), completion.finish_reason,
                               pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += generated.nbytes

@@ -22,6 +22,10 @@ from .cache import Cache as Cache
 from .compare import relative_error as relative_error
 from .cluster import ClusterError as ClusterError
 from .cluster import ShardFailed as ShardFailed
+from .edits import Add as Add
+from .edits import Scale as Scale
+from .edits import Set as Set
+from .edits import Zero as Zero
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
 from .dataset_export import export_saelens as export_saelens

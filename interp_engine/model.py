@@ -19,6 +19,7 @@ import torch
 
 from .address import Address, AddressLike, ModelInfo, all_points, check_points
 from .cache import Cache
+from .edits import Planned, check_edits
 from .positions import Selection, check_spec, resolve
 from .tokens import InputError, Tokenizer, check_tokens
 
@@ -214,39 +215,50 @@ class CaptureModel:
         return resolve(check_spec(positions), lengths, generating=options is not None,
                        max_tokens=options.max_tokens if options else None)
 
-    # -- the calls ------------------------------------------------------------------------------
-    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None) -> Cache:
-        tokens, addresses = self.check(tokens, points)
-        return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions))
+    def _edits(self, edits, tokens: torch.Tensor, options: Sampling | None = None) -> dict[Address, Planned] | None:
+        """``edits=`` checked against this model and the checked batch (see edits.py)."""
+        return check_edits(edits, self.info, self.backend, self.unserved, tokens,
+                           generating=options is not None, max_tokens=options.max_tokens if options else None)
 
-    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None,
+    # -- the calls ------------------------------------------------------------------------------
+    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
+        tokens, addresses = self.check(tokens, points)
+        return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
+                         edits=self._edits(edits, tokens))
+
+    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
-        return self._generate(tokens, addresses, options, positions=self._selection(tokens, positions, options))
+        return self._generate(tokens, addresses, options, positions=self._selection(tokens, positions, options),
+                              edits=self._edits(edits, tokens, options))
 
     async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
-                                       **sampling) -> tuple[Completion, Cache]:
+                                       edits=None, **sampling) -> tuple[Completion, Cache]:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
         return await self._generate_async(tokens, addresses, options,
-                                          positions=self._selection(tokens, positions, options))
+                                          positions=self._selection(tokens, positions, options),
+                                          edits=self._edits(edits, tokens, options))
 
-    async def capture(self, tokens, points, *, positions=None, **sampling) -> dict[Address, torch.Tensor]:
+    async def capture(self, tokens, points, *, positions=None, edits=None,
+                      **sampling) -> dict[Address, torch.Tensor]:
         """Async capture of one prompt: a plain dict keyed by Address (a string is a KeyError).
 
         Many calls may be in flight at once; each gets exactly its own rows. With
         ``max_tokens=N`` it also generates and captures the generated positions. With
         ``positions=`` each tensor holds the selected positions only, in position order.
+        ``edits=`` applies to this request only, even while others share its batch.
         """
         options = Sampling.from_options(sampling) if sampling else None
         if options is None:
             tokens, addresses = self.check(tokens, points, single=True, call="await model.capture(...)")
         else:
             tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
-        return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options))
+        return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options),
+                                   edits=self._edits(edits, tokens, options))
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""
@@ -259,42 +271,47 @@ class CaptureModel:
 
     # -- what a backend implements --------------------------------------------------------------
     # ``positions`` is None (every position) or a Selection resolved against ``tokens``; the
-    # backend applies it where each activation is produced.
+    # backend applies it where each activation is produced. ``edits`` is None or the checked
+    # edits (edits.Planned by address); the backend applies each where its activation is produced.
     def _run(self, tokens: torch.Tensor, addresses: list[Address], *, detach: bool,
-             positions: Selection | None = None) -> Cache:
+             positions: Selection | None = None, edits: dict | None = None) -> Cache:
         raise NotImplementedError
 
     def _generate(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling, *,
-                  positions: Selection | None = None) -> tuple[Completion, Cache]:
+                  positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
         raise NotImplementedError
 
     async def _capture(self, tokens, addresses, options: Sampling | None, *,
-                       positions: Selection | None = None) -> dict[Address, torch.Tensor]:
+                       positions: Selection | None = None, edits: dict | None = None) -> dict[Address, torch.Tensor]:
         raise NotImplementedError
 
     async def _generate_async(self, tokens, addresses, options: Sampling, *,
-                              positions: Selection | None = None) -> tuple[Completion, Cache]:
-        return await asyncio.to_thread(lambda: self._generate(tokens, addresses, options, positions=positions))
+                              positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
+        return await asyncio.to_thread(lambda: self._generate(tokens, addresses, options, positions=positions,
+                                                              edits=edits))
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,
-                   positions=None) -> Cache:
+                   positions=None, edits=None) -> Cache:
     """Run ``tokens`` through ``model`` and return the activations at ``points`` as a Cache.
 
     ``points`` holds Addresses, their string forms (``"resid_post.10"``), tuples, whole sites
     (``"resid_post"``: every layer) or a filter (``lambda a: a.layer == 3``). ``positions``
     keeps only some positions (``-1``: each row's last token; see :mod:`.positions`). With
     ``detach=False`` (eager, ``load_model(..., requires_grad=True)``) the tensors keep their graph.
+    ``edits`` writes to activations on the way (``{"resid_post.3": Add(vector)}``; see :mod:`.edits`).
     """
-    return model.run_with_cache(tokens, points, detach=detach, positions=positions)
+    return model.run_with_cache(tokens, points, detach=detach, positions=positions, edits=edits)
 
 
 def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int = 16, positions=None,
-                       **sampling: Any):
+                       edits=None, **sampling: Any):
     """Generate from one prompt and capture ``points`` at every prompt and generated position.
 
     Returns ``(completion, cache)``. The cache has ``len(prompt) + len(generated) - 1``
     positions: the final sampled token is never fed back through the model. ``positions``
     keeps fewer (``"generated"``: the generated ones only; ``-1``: the last prompt token).
+    ``edits`` applies at every forward of the generation (prefill and each decode step).
     """
-    return model.capture_generation(tokens, points, max_tokens=max_tokens, positions=positions, **sampling)
+    return model.capture_generation(tokens, points, max_tokens=max_tokens, positions=positions, edits=edits,
+                                    **sampling)

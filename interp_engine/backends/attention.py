@@ -4,8 +4,10 @@ transformers computes attention through a named function from its ``AttentionInt
 registry, after rotary embeddings and any qk-norm. We register two names that wrap the
 standard ones — ``interp_sdpa`` (around ``sdpa``) and ``interp_eager`` (around the family's own
 eager function, which forms the probabilities, with softcapping where the family has it) — and
-tell any listener attached to an attention module what went in and came out. With no listener
-the wrappers only forward the call.
+tell any listener attached to an attention module what went in and came out. An *editor*
+attached to a module may replace q, k and v before attention and the probabilities after
+(the output is then recomputed from the edited probabilities). With neither the wrappers only
+forward the call.
 
 A model runs ``interp_sdpa`` by default; a call that asks for ``pattern`` switches it to
 ``interp_eager`` for that call only, since SDPA never forms the probabilities.
@@ -20,6 +22,8 @@ import sys
 import weakref
 from collections.abc import Callable
 
+import torch
+
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -29,6 +33,8 @@ EAGER = "interp_eager"
 
 # attention module -> callback(query, key, value, weights); weak so a dropped model frees itself
 _LISTENERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# attention module -> editor with .inputs(q, k, v) -> (q, k, v) and .weights(w) -> w or None
+_EDITORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _family_eager(module) -> Callable:
@@ -43,13 +49,26 @@ def _notify(module, query, key, value, weights):
 
 
 def _interp_sdpa(module, query, key, value, attention_mask, **kwargs):
+    editor = _EDITORS.get(module)
+    if editor is not None:
+        query, key, value = editor.inputs(query, key, value)
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     _notify(module, query, key, value, weights)
     return out, weights
 
 
 def _interp_eager(module, query, key, value, attention_mask, **kwargs):
+    editor = _EDITORS.get(module)
+    if editor is not None:
+        query, key, value = editor.inputs(query, key, value)
     out, weights = _family_eager(module)(module, query, key, value, attention_mask, **kwargs)
+    if editor is not None:
+        edited = editor.weights(weights)
+        if edited is not None:  # the output is the edited probabilities times the values
+            weights = edited
+            groups = query.shape[1] // value.shape[1]
+            values = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+            out = torch.matmul(weights.to(values.dtype), values).transpose(1, 2).contiguous()
     _notify(module, query, key, value, weights)
     return out, weights
 
@@ -87,6 +106,16 @@ def using(hf_model, name: str):
         yield
     finally:
         set_implementation(hf_model, previous)
+
+
+@contextlib.contextmanager
+def editing(module, editor):
+    """Let ``editor`` replace what ``module`` attends with (see the module docstring)."""
+    _EDITORS[module] = editor
+    try:
+        yield
+    finally:
+        _EDITORS.pop(module, None)
 
 
 @contextlib.contextmanager

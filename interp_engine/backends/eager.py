@@ -92,16 +92,16 @@ class EagerModel(CaptureModel):
             )
         return contextlib.nullcontext()
 
-    def _recorder(self, addresses, *, detach, stop_early, positions=None):
+    def _recorder(self, addresses, *, detach, stop_early, positions=None, edits=None):
         return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
-                        positions=positions)
+                        positions=positions, edits=edits)
 
-    def _run(self, tokens, addresses, *, detach, positions=None):
+    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
         with self._lock, self._grad_context(detach):
             with self._recorder(addresses, detach=detach, stop_early=not want_logits,
-                                positions=positions) as recorder:
+                                positions=positions, edits=edits) as recorder:
                 try:
                     out = self.hf(
                         input_ids=tokens.clamp(min=0).to(self.device),
@@ -120,7 +120,7 @@ class EagerModel(CaptureModel):
             recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
         return Cache(recorded, tokens, mask, self.name, self.backend)
 
-    def _generate(self, tokens, addresses, options: Sampling, *, positions=None):
+    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
         from transformers import DynamicCache
 
         generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
@@ -129,7 +129,8 @@ class EagerModel(CaptureModel):
         past = DynamicCache(config=self.hf.config)
         step_ids = tokens.to(self.device)
         with self._lock, torch.no_grad():
-            with self._recorder(addresses, detach=True, stop_early=False, positions=positions) as recorder:
+            with self._recorder(addresses, detach=True, stop_early=False, positions=positions,
+                                edits=edits) as recorder:
                 for _ in range(options.max_tokens):
                     start = recorder.start = past.get_seq_length()
                     position = torch.arange(start, start + step_ids.shape[1], device=self.device)
@@ -148,11 +149,13 @@ class EagerModel(CaptureModel):
         held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
         return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)
 
-    async def _capture(self, tokens, addresses, options, *, positions=None):
+    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
         if options is None:
-            cache = await asyncio.to_thread(self._run, tokens, addresses, detach=True, positions=positions)
+            cache = await asyncio.to_thread(self._run, tokens, addresses, detach=True, positions=positions,
+                                            edits=edits)
         else:
-            _, cache = await asyncio.to_thread(self._generate, tokens, addresses, options, positions=positions)
+            _, cache = await asyncio.to_thread(self._generate, tokens, addresses, options, positions=positions,
+                                               edits=edits)
         return cache.to_dict()
 
     def close(self):

@@ -5,6 +5,12 @@ requested addresses need, on exit it removes every hook, whether the forward fin
 raised. Each forward pass through the hooked model appends one chunk per address, so a
 generation loop (prefill, then one token at a time with a KV cache) records every position;
 :meth:`Recorder.result` joins the chunks along the position axis.
+
+Edits (see :mod:`interp_engine.edits`) go through the same table: the hook that reads a site
+also writes it, editing first, so a capture of the edited address sees the edited value and
+every later module computes from it. ``resid_mid`` is a local variable of a decoder layer, so
+it is written through what the attention block adds (the identity ``resid_mid = resid_pre +
+attn_out``): ``attn_out' = edited(resid_pre + attn_out) - resid_pre``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 from ..address import Address, ModelInfo
 from ..archs import Arch
+from ..edits import Planned, edit_activation
 from ..positions import Selection, gather_positions
 from . import attention
 
@@ -40,9 +47,18 @@ _LAYOUTS = {
 }
 
 
+#: a multi-stream layout as ``[batch, pos, stream, d]`` and back (for writing one stream)
+_STREAM_VIEWS = {
+    "b p s d": (lambda t, n: t, lambda t: t),
+    "s b p d": (lambda t, n: t.permute(1, 2, 0, 3), lambda t: t.permute(2, 0, 1, 3)),
+    "b p (s d)": (lambda t, n: t.unflatten(-1, (n, -1)), lambda t: t.flatten(-2)),
+}
+
+
 class Recorder:
     def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
-                 stop_early: bool = False, positions: Selection | None = None):
+                 stop_early: bool = False, positions: Selection | None = None,
+                 edits: dict[Address, Planned] | None = None):
         self.hf = hf_model
         self.arch = arch
         self.info = info
@@ -57,6 +73,11 @@ class Recorder:
         #: the absolute position of this forward's first row (a KV-cached decode step starts later)
         self.start = 0
         self._index: tuple | None = None
+        self.edits = edits or {}
+        # hook key -> the edits applied there, in forward order; layer -> its (edited) input
+        self._edit_at: dict[tuple, list[Address]] = defaultdict(list)
+        self._stash: dict[tuple, int] = {}
+        self._resid_pre: dict[int, torch.Tensor] = {}
 
     @property
     def layers(self):
@@ -64,7 +85,7 @@ class Recorder:
 
     @property
     def needs_pattern(self) -> bool:
-        return any(a.name == "pattern" for a in self.addresses)
+        return any(a.name == "pattern" for a in [*self.addresses, *self.edits])
 
     def __enter__(self):
         try:
@@ -115,18 +136,31 @@ class Recorder:
                 raise ValueError(f"[Internal] the {self.arch.family} table has no entry for {address.name!r}")
             by_module[(address.layer, hook.module, hook.kind)].append(address)
             self._hooks[address] = hook
+        for address in self.edits:
+            hook = self._write_hook(address)
+            key = (address.layer, hook.module, hook.kind)
+            by_module.setdefault(key, [])
+            self._edit_at[key].append(address)
+            if address.name == "resid_mid":
+                pre = self.arch.sites["resid_pre"]
+                self._stash[(address.layer, pre.module, pre.kind)] = address.layer
+                by_module.setdefault((address.layer, pre.module, pre.kind), [])
 
-        for (layer, path, kind), addresses in by_module.items():
+        for key, addresses in by_module.items():
+            layer, path, kind = key
             module = self.layers[layer]
             if path:
                 module = module.get_submodule(path)
             if kind == "attention":
-                self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
+                if addresses:
+                    self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
+                if self._edit_at.get(key):
+                    self._stack.enter_context(attention.editing(module, _AttentionEditor(self, self._edit_at[key])))
             elif kind == "in":
-                handle = module.register_forward_pre_hook(self._input_hook(addresses), with_kwargs=True)
+                handle = module.register_forward_pre_hook(self._input_hook(key, addresses), with_kwargs=True)
                 self._stack.callback(handle.remove)
             else:
-                handle = module.register_forward_hook(self._output_hook(addresses))
+                handle = module.register_forward_hook(self._output_hook(key, addresses))
                 self._stack.callback(handle.remove)
         if any(h.layout == "(b p) ..." for h in self._hooks.values()):
             handle = self.hf.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
@@ -138,6 +172,11 @@ class Recorder:
             last = max(layered)
             handle = self.layers[last].register_forward_hook(self._stop)
             self._stack.callback(handle.remove)
+
+    def _write_hook(self, address: Address):
+        """Where an edit of ``address`` is written: its own hook, except resid_mid, written through
+        attn_out from the layer's input (see the module docstring)."""
+        return self.arch.sites["attn_out" if address.name == "resid_mid" else address.name]
 
     def _batch_hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -151,20 +190,68 @@ class Recorder:
             return tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
         return tensor
 
-    def _input_hook(self, addresses):
+    def _edit(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` after the edits applied at hook ``key`` (the same tensor when there are none)."""
+        for address in self._edit_at.get(key, ()):
+            planned = self.edits[address]
+            if address.name == "resid_mid":
+                pre = self._resid_pre[address.layer]
+                tensor = edit_activation(planned, pre + tensor, self.start) - pre
+            elif address.name == "z":
+                heads = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
+                tensor = edit_activation(planned, heads, self.start).flatten(-2)
+            elif address.name == "resid_streams":
+                tensor = self._edit_stream(planned, tensor)
+            else:
+                tensor = edit_activation(planned, tensor, self.start)
+        if key in self._stash:
+            self._resid_pre[self._stash[key]] = tensor
+        return tensor
+
+    def _edit_stream(self, planned: Planned, tensor: torch.Tensor) -> torch.Tensor:
+        """Edit one stream of a layer's multi-stream output, in the table's layout (a single-stream
+        model's only stream is the output itself)."""
+        layout, s = self.arch.sites["resid_streams"].layout, planned.address.stream
+        if not layout:
+            return edit_activation(planned, tensor, self.start)
+        to_bpsd, from_bpsd = _STREAM_VIEWS[layout]
+        streams = to_bpsd(tensor, self.info.n_streams)
+        edited = edit_activation(planned, streams[:, :, s], self.start)
+        out = streams.clone()
+        out[:, :, s] = edited
+        return from_bpsd(out)
+
+    def _input_hook(self, key, addresses):
         def hook(module, args, kwargs):
-            tensor = _hidden_input(args, kwargs)
+            given = _hidden_input(args, kwargs)
+            tensor = self._edit(key, given)
             for a in addresses:
                 self.keep(a, self._shape(a, tensor))
+            if tensor is not given:
+                if args:
+                    return (tensor, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": tensor}
+            return None
 
         return hook
 
-    def _output_hook(self, addresses):
+    def _output_hook(self, key, addresses):
+        written = self._edit_at.get(key)
+        index = self._write_hook(written[0]).index if written else 0
+
         def hook(module, args, output):
+            edited = output
+            if self._edit_at.get(key):
+                many = isinstance(output, (tuple, list))
+                given = output[index] if many else output
+                tensor = self._edit(key, given)
+                if tensor is not given:
+                    edited = (*output[:index], tensor, *output[index + 1:]) if many else tensor
             for a in addresses:
-                index = self._hooks[a].index
-                tensor = output[index] if isinstance(output, (tuple, list)) else output
+                index_a = self._hooks[a].index
+                tensor = edited[index_a] if isinstance(edited, (tuple, list)) else edited
                 self.keep(a, self._shape(a, tensor))
+            return edited if edited is not output else None
 
         return hook
 
@@ -196,3 +283,39 @@ class Recorder:
             else:
                 out[address] = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
         return out
+
+
+class _AttentionEditor:
+    """Edits of q / k / v (``[b, heads, pos, d_head]`` as attention takes them) and of the
+    pattern of one attention module. The cache update runs before attention, so the keys and
+    values given here are the KV cache's own tensors, holding every past position: this step's
+    are edited in place, so later steps attend to the edited ones (earlier steps were edited when
+    they were computed)."""
+
+    def __init__(self, recorder: Recorder, addresses: list[Address]):
+        self.recorder = recorder
+        self.planned = {a.name: recorder.edits[a] for a in addresses}
+
+    def _edit(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return edit_activation(self.planned[name], tensor.transpose(1, 2), self.recorder.start).transpose(1, 2)
+
+    def inputs(self, query, key, value):
+        q_len = query.shape[2]
+        if "q" in self.planned:
+            query = self._edit("q", query)
+        out = {"k": key, "v": value}
+        for name in ("k", "v"):
+            if name not in self.planned:
+                continue
+            tensor = out[name]
+            step = self._edit(name, tensor[:, :, -q_len:])
+            if torch.is_grad_enabled():  # no KV cache is kept with gradients (run_with_cache)
+                out[name] = step if tensor.shape[2] == q_len else torch.cat([tensor[:, :, :-q_len], step], dim=2)
+            else:
+                tensor[:, :, -q_len:] = step  # the KV cache's own tensor: later steps see the edit
+        return query, out["k"], out["v"]
+
+    def weights(self, weights):
+        if "pattern" not in self.planned:
+            return None
+        return self._edit("pattern", weights)

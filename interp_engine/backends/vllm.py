@@ -27,6 +27,7 @@ from ..address import SITES, Address
 from ..archs import arch_for, model_info
 from ..archs.vllm_sites import LOGITS, vllm_sites
 from ..cache import Cache
+from ..edits import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
 from ..tokens import InputError, Tokenizer
@@ -131,32 +132,33 @@ class VllmModel(FetchedUnembedding, CaptureModel):
 
     # -- the calls ------------------------------------------------------------------------------
     def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None,
-                positions: Selection | None):
+                positions: Selection | None, edits: dict | None = None):
         wire = sorted({str(self._read_as(a)) for a in addresses})
-        job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire())
+        edits = {str(a): edit_wire(planned) for a, planned in edits.items()} if edits else None
+        job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire(), edits)
         return self._loop.submit(job)
 
-    def _run(self, tokens, addresses, *, detach, positions=None):
+    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
         if not detach:
             raise InputError(
                 "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
                 "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
             )
-        finished = self._submit(tokens, addresses, None, positions).result()
+        finished = self._submit(tokens, addresses, None, positions, edits).result()
         return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
 
-    def _generate(self, tokens, addresses, options, *, positions=None):
-        finished = self._submit(tokens, addresses, options, positions).result()
+    def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
+        finished = self._submit(tokens, addresses, options, positions, edits).result()
         return self._completion(finished, tokens, addresses, positions)
 
-    async def _capture(self, tokens, addresses, options, *, positions=None):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions))
+    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
+        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions, edits))
         if options is None:
             return self._cache(finished, tokens, addresses, positions, tokens.shape[1]).to_dict()
         return self._completion(finished, tokens, addresses, positions)[1].to_dict()
 
-    async def _generate_async(self, tokens, addresses, options, *, positions=None):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions))
+    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
+        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions, edits))
         return self._completion(finished, tokens, addresses, positions)
 
     def close(self) -> None:

@@ -23,9 +23,10 @@ class CaptureExtension:
     def _interp_recorder(self) -> Recorder:
         recorder = getattr(self, "_interp_state", None)
         if recorder is None:
-            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-            recorder = Recorder(self.model_runner, tp_rank=get_tensor_model_parallel_rank())
+            recorder = Recorder(self.model_runner, tp_rank=get_tensor_model_parallel_rank(),
+                                tp_size=get_tensor_model_parallel_world_size())
             self._interp_state = recorder
         return recorder
 
@@ -44,6 +45,7 @@ class CaptureExtension:
         every row handed back to the driver so far."""
         recorder = self._interp_recorder()
         return {"pending": sorted(recorder.wanted), "hooks": len(recorder._handles),
+                "edited": sorted(recorder.editor.edits),
                 "max_batch": recorder.max_batch, "bytes_returned": recorder.bytes_returned}
 
     def interp_unreadable_sites(self) -> list[str]:

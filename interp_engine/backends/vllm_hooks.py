@@ -14,6 +14,8 @@ registered requests are recorded, so warm-up, profiling and plain generation lea
 A request registered with a position selection (``positions=`` of the capture call) keeps only
 those rows: the others are dropped here, in the worker, before any copy is made.
 Hooks exist only while some registered request needs them: an idle engine runs unhooked.
+A request may also carry edits (:mod:`.vllm_edits`): the same hooks apply them to that request's
+rows first, then record, so a capture of an edited site reads the edited value.
 
 Under tensor parallelism every rank runs the same hooks in the same order (the logits are
 gathered by a collective inside ``compute_logits``); sites that are identical on every rank are
@@ -30,10 +32,11 @@ from collections import defaultdict
 
 import torch
 
-from ..address import Address, parse_address
-from ..archs import arch_for
+from ..address import SITES, Address, parse_address
+from ..archs import arch_for, model_info
 from ..archs.vllm_sites import LOGITS, VllmRead, vllm_sites
 from . import vllm_moe
+from .vllm_edits import EditBook
 
 #: (layer, module path, phase) -> the addresses read there
 _Group = tuple[int, str, str]
@@ -42,12 +45,18 @@ _Group = tuple[int, str, str]
 class Recorder:
     """Records registered requests' rows at their requested sites, on one worker (one rank)."""
 
-    def __init__(self, runner, tp_rank: int = 0):
+    def __init__(self, runner, tp_rank: int = 0, tp_size: int = 1):
         self.runner = runner
         self.model = runner.model
         self.tp_rank = tp_rank
         arch = arch_for(runner.model_config.hf_config)
         self.table = vllm_sites(arch.family)
+        info = model_info(runner.model_config.hf_config, "")
+        self.editor = EditBook(self.table, {"n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads,
+                                            "d_head": info.d_head, "d_mlp": info.d_mlp}, tp_rank, tp_size)
+        # hook -> the edits applied there, in forward order; hook -> layer whose resid_pre it keeps
+        self._edit_groups: dict[_Group, list[Address]] = {}
+        self._stash_groups: dict[_Group, int] = {}
         self.layers = self.model.get_submodule(arch.layers)
         self.wanted: dict[str, frozenset[Address]] = {}
         # request -> (prompt positions kept, first generated position kept or None)
@@ -79,6 +88,8 @@ class Recorder:
             self.store[rid] = defaultdict(list)
             if isinstance(want, dict) and want.get("positions") is not None:
                 self.filters[rid] = (torch.tensor(want["positions"], dtype=torch.long), want.get("after"))
+            if isinstance(want, dict) and want.get("edits"):
+                self.editor.register(rid, want["edits"])
         self._rehook()
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -90,6 +101,7 @@ class Recorder:
             recorded = self.store.pop(rid, {})
             self.wanted.pop(rid, None)
             self.filters.pop(rid, None)
+            self.editor.forget(rid)
             out[rid] = {str(a): _dense(chunks) for a, chunks in recorded.items()}
             self.bytes_returned += sum(r.nbytes + p.nbytes for r, p in out[rid].values())
         self._rehook()
@@ -101,6 +113,7 @@ class Recorder:
             self.store.pop(rid, None)
             self.wanted.pop(rid, None)
             self.filters.pop(rid, None)
+            self.editor.forget(rid)
         self._rehook()
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -119,8 +132,17 @@ class Recorder:
                 read = self.table[a.name]
                 groups[(a.layer, read.module, read.phase)].append(a)
         self._groups = dict(groups)
-        needed: set[object] = set(groups)
-        if addresses:
+        edits: dict[_Group, list[Address]] = defaultdict(list)
+        self._stash_groups = {}
+        for a in sorted(self.editor.addresses(), key=lambda a: (a.layer, list(SITES).index(a.name))):
+            read = self._write_read(a)
+            edits[(a.layer, read.module, read.phase)].append(a)
+            if a.name == "resid_mid":
+                pre = self.table["resid_pre"]
+                self._stash_groups[(a.layer, pre.module, pre.phase)] = a.layer
+        self._edit_groups = dict(edits)
+        needed: set[object] = set(groups) | set(edits) | set(self._stash_groups)
+        if addresses or edits:
             needed.add("rows")
         if Address(LOGITS) in addresses:
             needed.add(LOGITS)
@@ -150,13 +172,14 @@ class Recorder:
         batch = self.runner.input_batch
         n = batch.num_reqs
         starts = self.runner.query_start_loc.np[: n + 1]
-        spans = [(rid, int(starts[j]), int(starts[j + 1])) for j, rid in enumerate(batch.req_ids[:n])
-                 if rid in self.wanted]
+        every = [(rid, int(starts[j]), int(starts[j + 1])) for j, rid in enumerate(batch.req_ids[:n])]
+        spans = [span for span in every if span[0] in self.wanted]
         self._uniform = None
         if spans:
             positions = kwargs["positions"] if "positions" in kwargs else args[1]
             # on the host: the bookkeeping indexes with it (one small copy per forward on a GPU)
             self._positions = positions[: int(starts[n])].to("cpu", copy=True)
+        self.editor.on_batch(every if self.editor.edits else [], self._positions)
         for rid, s, e in spans:
             kept, here = None, self._positions[s:e]
             if rid in self.filters:
@@ -198,21 +221,70 @@ class Recorder:
             found = self._selections[key] = (selector, spans)
         return found
 
+    def _write_read(self, address: Address) -> VllmRead:
+        """Where an edit of ``address`` is written: its own read, except resid_mid (through attn_out)."""
+        return self.table["attn_out" if address.name == "resid_mid" else address.name]
+
+    def _apply(self, group: _Group, values: dict) -> bool:
+        """Apply this forward's edits at ``group`` to ``values`` (part name or index -> tensor),
+        in place in the dict; True when something changed."""
+        changed = False
+        for a in self._edit_groups.get(group, ()) if self.editor.spans else ():
+            names = [p for p in self._write_read(a).parts if values.get(p) is not None]
+            last = names[-1]
+            if a.name == "resid_mid":
+                offset = self.editor.resid_pre(a.layer)
+            else:
+                others = [values[p] for p in names[:-1]]
+                offset = others[0] if len(others) == 1 else (sum(others) if others else None)
+            new = self.editor.edit(a, values[last], offset)
+            if new is not values[last]:
+                values[last], changed = new, True
+        if group in self._stash_groups and self.editor.spans:
+            parts = [values[p] for p in self.table["resid_pre"].parts if values.get(p) is not None]
+            self.editor.keep_resid_pre(self._stash_groups[group], parts)
+        return changed
+
     def _input_hook(self, group: _Group):
         def hook(module, args, kwargs):
+            editing = self.editor.spans and (group in self._edit_groups or group in self._stash_groups)
+            if not (self.batch or editing):
+                return None
+            bound = dict(self._bind(module, args, kwargs))
+            changed = self._apply(group, bound) if editing else False
             if self.batch:
-                bound = self._bind(module, args, kwargs)
                 self._record(group, lambda read: [bound.get(name) for name in read.parts])
+            return self._rebind(module, args, kwargs, bound) if changed else None
 
         return hook
 
     def _output_hook(self, group: _Group):
         def hook(module, args, output):
+            editing = self.editor.spans and group in self._edit_groups
+            if not (self.batch or editing):
+                return None
+            many = isinstance(output, (tuple, list))
+            items = dict(enumerate(output if many else (output,)))
+            changed = self._apply(group, items) if editing else False
             if self.batch:
-                items = output if isinstance(output, (tuple, list)) else (output,)
                 self._record(group, lambda read: [items[i] for i in read.parts])
+            if not changed:
+                return None
+            values = [items[i] for i in range(len(items))]
+            return type(output)(values) if many else values[0]
 
         return hook
+
+    def _rebind(self, module, args, kwargs, bound: dict):
+        """``(args, kwargs)`` with the edited arguments of ``bound`` put back where they came from."""
+        names = list(self._signatures[id(module)].parameters)
+        args, kwargs = list(args), dict(kwargs)
+        for name, value in bound.items():
+            if name in kwargs:
+                kwargs[name] = value
+            elif names.index(name) < len(args):
+                args[names.index(name)] = value
+        return tuple(args), kwargs
 
     def _bind(self, module, args, kwargs) -> dict:
         signature = self._signatures.get(id(module))

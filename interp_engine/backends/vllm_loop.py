@@ -41,6 +41,8 @@ class Job:
     points: list[str]
     #: ``{"positions": [...], "after": n}``: keep only those rows (None: every row)
     positions: dict | None = None
+    #: ``{address: edit as plain data}`` (edits.wire): applied to this request's rows only
+    edits: dict | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     internal_id: str = ""
 
@@ -155,8 +157,8 @@ class EngineLoop:
             _resolve(job.future, error=err)
             return
         self._jobs[external] = job
-        if job.points:  # a job without points is plain generation: nothing to register
-            new[job.internal_id] = {"points": job.points, **(job.positions or {})}
+        if job.points or job.edits:  # a job with neither is plain generation: nothing to register
+            new[job.internal_id] = {"points": job.points, **(job.positions or {}), "edits": job.edits}
 
     def _register(self, new: dict[str, dict]) -> None:
         if new:
@@ -175,7 +177,7 @@ class EngineLoop:
         if not outputs:
             return
         jobs = [self._jobs.pop(o.request_id) for o in outputs]
-        taken = [job.internal_id for job in jobs if job.points]
+        taken = [job.internal_id for job in jobs if job.points or job.edits]
         ranks = self.engine.collective_rpc("interp_take", args=(taken,)) if taken else []
         for output, job in zip(outputs, jobs):
             _resolve(job.future, Finished(output, [rank.get(job.internal_id, {}) for rank in ranks]))

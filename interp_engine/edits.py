@@ -1,0 +1,396 @@
+"""Edits: writing to activations in the same address space that captures read.
+
+An edit is a value — ``Add``, ``Scale``, ``Set`` or ``Zero`` — keyed by the address it writes:
+``edits={"resid_post.3": Add(vector, scale=4.0), "z.1": Zero(heads=[2])}``. It says what
+happens to the activation of each edited *position* (a ``[d_model]`` row of a residual site, an
+``[n_heads, d_head]`` block of ``z`` / ``q``, ``[n_kv_heads, d_head]`` of ``k`` / ``v``, a
+``[d_mlp]`` row of ``mlp_post``, an ``[n_heads, k_pos]`` block of ``pattern``):
+
+- ``Add(vector, scale=1.0)``: ``x + scale * vector``; with ``norm_relative=True`` the vector is
+  unit-normed and scaled by each position's own norm, ``x + scale * |x| * vector / |vector|``
+  (steering relative to the residual's size, in one pass);
+- ``Scale(factor)``: ``factor * x``; ``Set(value)``: ``value`` (broadcast to the edited rows);
+  ``Zero()``: zeros (ablation).
+
+``positions`` picks the edited positions as a capture's ``positions=`` does (prompt positions,
+negative from the end of each prompt, ``"generated"``, ``None`` for all; see :mod:`.positions`);
+``heads=[...]`` on the per-head sites (``z``, ``q``, ``k``, ``v``, ``pattern``) edits those heads
+only. The edits are plain data, so they travel unchanged to vLLM workers and cluster replicas.
+On the eager backend a Python function ``fn(tensor, address) -> tensor`` is also an edit: it
+gets the whole ``[batch, pos, ...]`` activation of each forward and returns its replacement.
+
+Every backend applies an edit where the activation is produced: what runs after it sees the
+edited model, and a capture of the edited address itself returns the value after the edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Union
+
+import torch
+
+from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
+from .positions import Selection, check_spec, resolve, spec_to_json
+from .tokens import InputError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Add:
+    """``x + scale * vector`` (``norm_relative``: ``x + scale * |x| * vector / |vector|``)."""
+
+    vector: object
+    scale: float = 1.0
+    positions: object = None
+    norm_relative: bool = False
+    heads: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scale:
+    """``factor * x``."""
+
+    factor: float
+    positions: object = None
+    heads: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Set:
+    """``value`` in place of ``x`` (broadcast to the edited rows; on eager also a whole
+    ``[batch, pos, ...]`` tensor)."""
+
+    value: object
+    positions: object = None
+    heads: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Zero:
+    """Zeros in place of ``x`` (ablation)."""
+
+    positions: object = None
+    heads: tuple | None = None
+
+
+Edit = Union[Add, Scale, Set, Zero]
+EDITS = (Add, Scale, Set, Zero)
+
+#: sites an edit may write, per backend (the site must also be served by the model's family)
+WRITABLE = {
+    "eager": ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v",
+              "pattern", "resid_streams"),
+    "vllm": ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v"),
+}
+#: sites whose per-position block has a head axis (``heads=`` applies)
+HEAD_SITES = ("z", "q", "k", "v", "pattern")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Planned:
+    """An edit checked against a model and a batch: the address, the edit (its tensors as
+    float32 on the CPU), and the positions it edits in each row (None: every position)."""
+
+    address: Address
+    edit: object  # an Edit, or a callable on eager
+    selection: Selection | None = None
+    #: a Set whose value is a whole ``[batch, pos, ...]`` tensor (eager)
+    full: bool = False
+
+
+def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, ...]:
+    """The shape of one position's block at ``address`` (``keys``: key positions of a pattern)."""
+    name = address.name
+    if name in ("z", "q"):
+        return (info.n_heads, info.d_head)
+    if name in ("k", "v"):
+        return (info.n_kv_heads, info.d_head)
+    if name == "mlp_post":
+        return (info.d_mlp,)
+    if name == "pattern":
+        return (info.n_heads, keys)
+    return (info.d_model,)
+
+
+def check_edits(edits, info: ModelInfo, backend: str, unserved, tokens: torch.Tensor, *,
+                generating: bool = False, max_tokens: int | None = None) -> dict[Address, Planned] | None:
+    """Validate ``edits`` against the model and a checked batch; None when there are none.
+
+    Raises :class:`AddressError` for an address this backend cannot write and
+    :class:`InputError` for an edit that does not fit the address or the batch."""
+    if edits is None:
+        return None
+    if not isinstance(edits, dict):
+        raise InputError(f"edits must be a dict of address -> edit, e.g. {{'resid_post.3': Add(vector)}}, "
+                         f"got {type(edits).__name__}")
+    lengths = (tokens >= 0).sum(dim=1).tolist()
+    planned: dict[Address, Planned] = {}
+    writable = [s for s in WRITABLE.get(backend, ()) if s in info.sites and s not in unserved]
+    for point, edit in edits.items():
+        name = _site_name(point)
+        if name not in writable:
+            raise AddressError(
+                f"{point!r} cannot be edited on the {backend} backend"
+                + (" (vLLM never forms the attention pattern)" if name == "pattern" else "")
+                + f"; writable sites of this model there: {', '.join(writable)}")
+        (address,) = _one_address(point, info, backend, unserved)
+        if address in planned:
+            raise InputError(f"two edits on {address}: give one edit per address")
+        planned[address] = _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
+    return planned or None
+
+
+def _site_name(point) -> str:
+    """The site an edit's key names (an unknown one is an AddressError listing the known)."""
+    if isinstance(point, str):
+        name = point.split(".")[0]
+        if name in SITES:
+            return name
+    return to_address(point).name
+
+
+def _one_address(point, info, backend, unserved) -> list[Address]:
+    addresses = check_points([point], info, backend, unserved)
+    if len(addresses) != 1 or addresses[0].layer is None:
+        raise AddressError(f"an edit writes one layer's address such as 'resid_post.3', got {point!r}")
+    return addresses
+
+
+def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens) -> Planned:
+    if callable(edit) and not isinstance(edit, EDITS):
+        if backend != "eager":
+            raise InputError(
+                f"edit on {address}: a Python function is an edit on the eager backend only; the {backend} backend "
+                f"takes edits as data: Add(vector), Scale(factor), Set(value), Zero() (with positions=, heads=)")
+        return Planned(address, edit)
+    if not isinstance(edit, EDITS):
+        raise InputError(f"edit on {address}: {edit!r} is not an edit; use Add(vector), Scale(factor), "
+                         f"Set(value) or Zero() (or a function on eager)")
+    heads = _check_heads(address, edit.heads, info)
+    positions = check_spec(edit.positions)
+    try:
+        selection = resolve(positions, lengths, generating=generating, max_tokens=max_tokens)
+    except InputError as error:
+        raise InputError(f"edit on {address}: {error}") from None
+    block = block_shape(address, info, tokens.shape[1])
+    if heads is not None:
+        block = (len(heads), *block[1:])
+    changes = {"heads": heads, "positions": positions}
+    full = False
+    if isinstance(edit, Add):
+        changes["vector"] = _fit(address, "vector", edit.vector, block, address.name == "pattern")
+        changes["scale"] = _number(address, "scale", edit.scale)
+        if not isinstance(edit.norm_relative, bool):
+            raise InputError(f"edit on {address}: norm_relative must be True or False, got {edit.norm_relative!r}")
+        if edit.norm_relative and not float(changes["vector"].norm()) > 0:
+            raise InputError(f"edit on {address}: norm_relative=True needs a vector with a nonzero norm")
+    elif isinstance(edit, Scale):
+        changes["factor"] = _number(address, "factor", edit.factor)
+    elif isinstance(edit, Set):
+        value = _tensor(address, "value", edit.value)
+        whole = (tokens.shape[0], tokens.shape[1], *block)
+        if backend == "eager" and not generating and tuple(value.shape) == whole and address.name != "pattern":
+            if positions is not None or heads is not None:
+                raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value takes no "
+                                 f"positions= or heads= (it sets every position it gives)")
+            changes["value"], full = value, True
+        else:
+            changes["value"] = _fit(address, "value", value, block, address.name == "pattern",
+                                    whole=whole if backend == "eager" and not generating else None)
+    return Planned(address, dataclasses.replace(edit, **changes), selection, full)
+
+
+def _check_heads(address, heads, info) -> tuple[int, ...] | None:
+    if heads is None:
+        return None
+    if address.name not in HEAD_SITES:
+        raise InputError(f"edit on {address}: heads= applies to the per-head sites {', '.join(HEAD_SITES)}; "
+                         f"{address.name} has no head axis (drop heads=, or edit z.{address.layer})")
+    if isinstance(heads, int) and not isinstance(heads, bool):
+        heads = [heads]
+    n = info.n_kv_heads if address.name in ("k", "v") else info.n_heads
+    heads = list(heads) if isinstance(heads, (list, tuple, range)) else heads
+    if not isinstance(heads, list) or not heads or any(isinstance(h, bool) or not isinstance(h, int) for h in heads):
+        raise InputError(f"edit on {address}: heads must be a non-empty list of ints, got {heads!r}")
+    bad = [h for h in heads if not 0 <= h < n]
+    if bad:
+        raise InputError(f"edit on {address}: head {bad[0]} is out of range; {address.name} has {n} heads "
+                         f"(valid: 0..{n - 1})")
+    return tuple(sorted(set(heads)))
+
+
+def _number(address, name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise InputError(f"edit on {address}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _tensor(address, name, value) -> torch.Tensor:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    try:
+        tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"edit on {address}: {name} must be a tensor or a number, got {type(value).__name__}") from None
+    if not tensor.is_floating_point():
+        tensor = tensor.float()
+    return tensor.float().cpu()
+
+
+def _fit(address, name, value, block, pattern, whole=None) -> torch.Tensor:
+    """``value`` as a tensor that broadcasts to one position's ``block``."""
+    tensor = _tensor(address, name, value)
+    shape = tuple(tensor.shape)
+    ok = len(shape) <= len(block) and all(s in (1, b) or (pattern and i == len(block) - 1 and s == 1)
+                                          for i, (s, b) in enumerate(zip(shape[::-1], block[::-1])))
+    if not ok:
+        wanted = f"[{', '.join(map(str, block))}]"
+        extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name == "value" else ""
+        raise InputError(f"edit on {address}: {name} of shape {list(shape)} does not fit: each edited position "
+                         f"of {address.name} is {wanted} (a {name} broadcasts to it{extra})")
+    return tensor
+
+
+def apply_edit(edit: Edit, block: torch.Tensor) -> torch.Tensor:
+    """The edited value of ``block`` (``[..., *one position's block]``), a new tensor; a pure
+    function. ``heads`` index the head axis (the first axis of a position's block)."""
+    heads = getattr(edit, "heads", None)
+    if heads is None:
+        return _change(edit, block)
+    index = torch.tensor(heads, dtype=torch.long, device=block.device)
+    axis = block.dim() - 2  # the head axis of [..., heads, d]
+    new = _change(edit, block.index_select(axis, index))
+    return block.index_copy(axis, index, new)
+
+
+def _change(edit: Edit, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(edit, Zero):
+        return torch.zeros_like(x)
+    if isinstance(edit, Scale):
+        return x * edit.factor
+    if isinstance(edit, Set):
+        return edit.value.to(x.dtype).to(x.device).expand_as(x).clone()
+    vector = edit.vector.to(x.device, torch.float32)
+    if edit.norm_relative:
+        # the norm of each position's own block, over its last axis (the residual's d_model)
+        unit = vector / vector.norm()
+        return (x.float() + edit.scale * x.float().norm(dim=-1, keepdim=True) * unit).to(x.dtype)
+    return x + (edit.scale * vector).to(x.dtype)
+
+
+def edited_positions(selection: Selection | None, start: int, length: int, batch: int) -> torch.Tensor | None:
+    """``[batch, length]``: which rows of a forward that starts at position ``start`` are edited
+    (None: all)."""
+    if selection is None:
+        return None
+    absolute = torch.arange(start, start + length)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for row in range(batch):
+        mask[row] = torch.isin(absolute, torch.tensor(selection.rows[row], dtype=torch.long))
+        if selection.after[row] is not None:
+            mask[row] |= absolute >= selection.after[row]
+    return mask
+
+
+def edit_activation(planned: Planned, tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The edited ``[batch, pos, ...]`` activation at ``planned.address`` of one forward whose
+    first row is position ``start`` (a KV-cached decode step starts later); a new tensor."""
+    edit = planned.edit
+    if not isinstance(edit, EDITS):
+        out = edit(tensor, planned.address)
+        if not isinstance(out, torch.Tensor) or out.shape != tensor.shape:
+            raise InputError(f"the function edit on {planned.address} must return a tensor of shape "
+                             f"{list(tensor.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
+        return out
+    if planned.full:
+        return edit.value[:, start : start + tensor.shape[1]].to(tensor.device, tensor.dtype)
+    new = apply_edit(edit, tensor)
+    mask = edited_positions(planned.selection, start, tensor.shape[1], tensor.shape[0])
+    if mask is None:
+        return new
+    mask = mask.reshape(*mask.shape, *([1] * (tensor.dim() - 2))).to(tensor.device)
+    return torch.where(mask, new, tensor)
+
+
+def wire(planned: Planned, row: int = 0) -> dict:
+    """One planned edit as plain data for a vLLM worker (lists and numbers; no code)."""
+    edit = planned.edit
+    out: dict = {"kind": type(edit).__name__.lower(), "heads": list(edit.heads) if edit.heads else None}
+    digest = hashlib.blake2b(repr((out["kind"], out["heads"])).encode(), digest_size=16)
+    if isinstance(edit, Add):
+        out.update(vector=edit.vector.flatten().tolist(), shape=list(edit.vector.shape), scale=edit.scale,
+                   norm_relative=edit.norm_relative)
+        digest.update(repr((edit.scale, edit.norm_relative, out["shape"])).encode())
+        digest.update(edit.vector.contiguous().numpy().tobytes())
+    elif isinstance(edit, Scale):
+        out["factor"] = edit.factor
+        digest.update(repr(edit.factor).encode())
+    elif isinstance(edit, Set):
+        out.update(value=edit.value.flatten().tolist(), shape=list(edit.value.shape))
+        digest.update(repr(out["shape"]).encode())
+        digest.update(edit.value.contiguous().numpy().tobytes())
+    #: equal edits have equal digests (a worker applies them to all their rows at once)
+    out["digest"] = digest.hexdigest()
+    sel = planned.selection
+    out["positions"] = None if sel is None else list(sel.rows[row])
+    out["after"] = None if sel is None else sel.after[row]
+    return out
+
+
+def from_wire(data: dict) -> Edit:
+    """The edit :func:`wire` described (tensors float32, on the CPU)."""
+    heads = tuple(data["heads"]) if data.get("heads") else None
+    kind = data["kind"]
+    if kind == "add":
+        vector = torch.tensor(data["vector"], dtype=torch.float32).reshape(data["shape"])
+        return Add(vector, data["scale"], norm_relative=data["norm_relative"], heads=heads)
+    if kind == "scale":
+        return Scale(data["factor"], heads=heads)
+    if kind == "set":
+        return Set(torch.tensor(data["value"], dtype=torch.float32).reshape(data["shape"]), heads=heads)
+    if kind == "zero":
+        return Zero(heads=heads)
+    raise ValueError(f"[Internal] unknown edit kind {kind!r} on the wire")
+
+
+def to_plain(planned: dict[Address, Planned] | None) -> dict | None:
+    """Checked edits as plain data for a cluster replica: numbers, lists, numpy arrays, and the
+    positions spec as given (each replica resolves it against its own rows). No code."""
+    if not planned:
+        return None
+    out = {}
+    for address, p in planned.items():
+        if not isinstance(p.edit, EDITS):
+            raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
+                             f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
+        if p.full:
+            raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
+                             f"cluster replicas; give one position's value with positions=, or run locally")
+        data = wire(p)
+        for key in ("vector", "value"):
+            if key in data:
+                data[key] = getattr(p.edit, key).numpy()
+        data["positions"] = spec_to_json(p.edit.positions)
+        data.pop("after")
+        out[str(address)] = data
+    return out
+
+
+def from_plain(plain: dict | None) -> dict[str, Edit] | None:
+    """The edits :func:`to_plain` described, ready for ``edits=`` on the replica's model."""
+    if not plain:
+        return None
+    out = {}
+    for point, data in plain.items():
+        data = dict(data)
+        for key in ("vector", "value"):
+            if key in data:
+                data[key] = torch.from_numpy(data[key].copy()).flatten().tolist()
+        edit = from_wire({**data, "heads": data.get("heads")})
+        positions = data["positions"]
+        if isinstance(positions, dict):
+            positions = slice(*positions["slice"])
+        out[point] = dataclasses.replace(edit, positions=positions)
+    return out
+

@@ -164,14 +164,12 @@ def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_mo
         """The local model's facts with a coordinator over in-process replicas."""
 
         def __init__(self):
-            self.info, self.backend, self.unserved, self.tok, self.name = (
-                local.info, local.backend, local.unserved, local.tok, local.name)
+            self.info, self.backend, self.unserved, self.tok, self.name, self.dtype = (
+                local.info, local.backend, local.unserved, local.tok, local.name, local.dtype)
             self.core = CoordinatorCore(Flaky(cores), 2, batched=True)
 
         def facts(self):
-            from interp_engine.dataset import _model_facts
-
-            return _model_facts(local)
+            return local.facts()
 
         def write_shards(self, spec, source, skip):
             self.core.build("b", spec, source, skip)

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def environ(checkout):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["INTERP_ENGINE_CLUSTER_STATE"] = str(checkout.parent / "cluster-state")
+    # Ray's own temp dir, short (its socket paths must fit) and fresh: a bare ray.init() in a block
+    # then starts its own cluster instead of joining one another test left in /tmp/ray
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rd", dir="/tmp")
     return env
 
 

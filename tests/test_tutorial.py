@@ -4,11 +4,17 @@ head attribution on the embedded SmolLM2) runs as written: it asserts its own id
 import runpy
 from pathlib import Path
 
+import torch
+
 TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.py"
 
 
 def test_tutorial_runs_as_written(capsys):
-    namespace = runpy.run_path(str(TUTORIAL), run_name="__main__")
+    grad = torch.is_grad_enabled()  # the tutorial turns gradients off for its session, as notebooks do
+    try:
+        namespace = runpy.run_path(str(TUTORIAL), run_name="__main__")
+    finally:
+        torch.set_grad_enabled(grad)
     printed = capsys.readouterr().out
     assert namespace["answer"] == " Paris" and "top heads: L" in printed
     assert namespace["per_head"].shape == (30, 9)
@@ -19,9 +25,8 @@ def test_whole_site_on_smollm2_and_the_demo_lens_figure(tmp_path):
     embedding row and the answer's probability per layer, and the PNG is written."""
     import json
 
-    import torch
-
-    from interp_engine import Address, demo, load_model, run_with_cache
+    from interp_engine import Address, load_model, run_with_cache
+    from interp_engine.examples import demo
 
     model = load_model()
     assert model.points("resid_post") == [Address("resid_post", L) for L in range(30)]

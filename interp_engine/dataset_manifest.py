@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 from .dataset_shard import shard_name
 from .fingerprint import weights_fingerprint as weights_fingerprint

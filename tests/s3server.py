@@ -7,6 +7,7 @@ to make users with narrower policies. Nothing is mocked: pyarrow's S3 client tal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -72,6 +73,25 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(bucket: str):
+    """A server with ``bucket`` made, its credentials and endpoint in this process's environment
+    while the block runs (processes started then, Ray nodes included, inherit them)."""
+    server = start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        server.filesystem().create_dir(bucket)
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
 
 
 def start() -> S3:

@@ -17,6 +17,7 @@ from interp_engine.dataset import build_dataset
 from interp_engine.dataset_manifest import DatasetExistsError
 from interp_engine.dataset_prompts import PromptsError
 
+from .clusters import simulated_cluster
 from .oracles import assert_caches_near, row_chunks, torch_threads
 
 ray = pytest.importorskip("ray")
@@ -27,16 +28,8 @@ REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_thr
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=1, num_gpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

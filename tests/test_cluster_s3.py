@@ -19,6 +19,7 @@ import yaml
 from interp_engine import ActivationDataset, build_dataset, load_model
 
 from . import s3server
+from .clusters import simulated_cluster
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,31 +33,14 @@ def _prompts(n):
 
 @pytest.fixture(scope="module")
 def s3():
-    server = s3server.start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)  # before the cluster starts: its processes inherit nothing else
-    server.filesystem().create_dir("cluster")
-    yield server
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    with s3server.serving("cluster") as server:  # before the cluster starts: its processes inherit it
+        yield server
 
 
 @pytest.fixture(scope="module")
 def cluster(s3):
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(worker_gpus=0) as c:
+        yield c
 
 
 def _objects(s3, prefix):

@@ -21,17 +21,8 @@ POINTS = ["resid_post.1", "z.0"]
 
 @pytest.fixture(scope="module")
 def s3():
-    server = s3server.start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    server.filesystem().create_dir("acts")
-    yield server
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    with s3server.serving("acts") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

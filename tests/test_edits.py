@@ -268,7 +268,7 @@ def test_generation_steering_changes_tokens_at_every_step(model, tokens):
 
 def test_kv_edits_persist_in_the_cache(model, tokens):
     for edit in ({f"k.{LAYER}": Scale(3.0, positions=[1, 2])}, {f"v.{LAYER}": Add(torch.ones(64), positions=[0])},
-                 {f"v.0": Scale(3.0)}):
+                 {"v.0": Scale(3.0)}):
         completion, cache = capture_generation(model, tokens, ["logits"], max_tokens=4, stop_at_eos=False, edits=edit)
         again = run_with_cache(model, cache.tokens, ["logits"], edits=edit)
         assert_near(cache["logits"], again["logits"], f"{list(edit)} with a KV cache", 1e-5)

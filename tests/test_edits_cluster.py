@@ -10,6 +10,7 @@ import torch
 
 from interp_engine import Add, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
 
+from .clusters import simulated_cluster
 from .oracles import REL, assert_near
 
 ray = pytest.importorskip("ray")
@@ -19,18 +20,10 @@ PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again", "!!"]
 
 @pytest.fixture(scope="module")
 def cluster_llama(tiny_path):
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=1, num_gpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-    yield model
-    model.close()
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster():
+        model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
+        yield model
+        model.close()
 
 
 def _edits(model):

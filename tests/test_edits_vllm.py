@@ -77,7 +77,7 @@ def test_greedy_generation_with_a_steering_vector_equals_eager(models):
         assert_near(got_cache[point], want_cache[point], f"steered generation {point}", REL)
     # edits of the generated positions only, and of a per-head site during decoding
     for edits in ({f"resid_post.{LAYER}": Add(vector, scale=20.0, positions="generated")},
-                  {f"z.{LAYER}": Zero(heads=[0, 3]), f"v.0": Scale(3.0, positions=[0, -1])}):
+                  {f"z.{LAYER}": Zero(heads=[0, 3]), "v.0": Scale(3.0, positions=[0, -1])}):
         want, want_cache = capture_generation(eager, tokens, ["logits"], max_tokens=6, edits=edits)
         got, got_cache = capture_generation(vllm_model, tokens, ["logits"], max_tokens=6, edits=edits)
         assert got.token_ids == want.token_ids

@@ -35,6 +35,8 @@ from interp_engine import (
     run_with_cache,
 )
 
+from .clusters import simulated_cluster
+
 BACKENDS = ["eager", "vllm", "cluster"]
 ALL = tuple(BACKENDS)
 HANG_AFTER = 60
@@ -291,23 +293,13 @@ def hostile(request, tiny_path, eager_models):
         with load_model(path, backend="vllm", max_model_len=VLLM_MAX_LEN) as model:
             yield Hostile("vllm", model, path, _fresh_reference(model))
     else:
-        ray = pytest.importorskip("ray")
-        from ray.cluster_utils import Cluster
-
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        try:
-            for _ in range(2):
-                cluster.add_node(num_cpus=1, num_gpus=1)
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=False)
+        pytest.importorskip("ray")
+        with simulated_cluster():
             model = load_model(path, replicas=2, **REPLICA)
             try:
                 yield Hostile("cluster", model, path, _fresh_reference(model))
             finally:
                 model.close()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,7 @@ import torch
 
 from interp_engine import capture_generation, load_model, logit_lens, run_with_cache
 
+from .clusters import simulated_cluster
 from .oracles import assert_near
 
 ray = pytest.importorskip("ray")
@@ -25,18 +26,10 @@ POINTS = ["resid_post", "z.0", "logits"]
 
 @pytest.fixture(scope="module")
 def cluster_llama(tiny_path):
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=1, num_gpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-    yield model
-    model.close()
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster():
+        model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
+        yield model
+        model.close()
 
 
 def sent(model) -> int:

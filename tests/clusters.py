@@ -23,3 +23,16 @@ def simulated_cluster(workers: int = 2, *, worker_gpus: int = 1):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def vllm_replica(path: str):
+    """One vLLM replica on the connected cluster, CPU only (it lands on the head node)."""
+    from interp_engine import load_model
+
+    model = load_model(path, backend="vllm", replicas=1, gpus_per_replica=0, cpus_per_replica=0.5,
+                       env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"}, max_model_len=128)
+    try:
+        yield model
+    finally:
+        model.close()

@@ -10,7 +10,7 @@ import torch
 
 from interp_engine import Add, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
 
-from .clusters import simulated_cluster
+from .clusters import simulated_cluster, vllm_replica
 from .oracles import REL, assert_near
 
 ray = pytest.importorskip("ray")
@@ -75,10 +75,8 @@ def test_cluster_refuses_code_and_whole_batch_values(cluster_llama, eager_models
 def cluster_vllm(cluster_llama, tiny_path):
     """A vLLM replica on the same cluster (CPU only: it lands on the head node)."""
     pytest.importorskip("vllm")
-    model = load_model(str(tiny_path("llama")), backend="vllm", replicas=1, gpus_per_replica=0,
-                       cpus_per_replica=0.5, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"}, max_model_len=128)
-    yield model
-    model.close()
+    with vllm_replica(str(tiny_path("llama"))) as model:
+        yield model
 
 
 def test_edits_on_a_vllm_replica_equal_local_eager(cluster_vllm, eager_models):

@@ -18,9 +18,7 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    config = tiny.configs()["llama"]
-    config.num_key_value_heads = 1
-    return str(tiny.build("llama", tmp_path_factory.mktemp("tp_edit_tiny"), config=config))
+    return str(tiny.build_one_kv_head(tmp_path_factory.mktemp("tp_edit_tiny")))
 
 
 @pytest.fixture(scope="module")

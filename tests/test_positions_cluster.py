@@ -15,7 +15,7 @@ import torch
 
 from interp_engine import capture_generation, load_model, logit_lens, run_with_cache
 
-from .clusters import simulated_cluster
+from .clusters import simulated_cluster, vllm_replica
 from .oracles import assert_near
 
 ray = pytest.importorskip("ray")
@@ -110,10 +110,8 @@ def test_bad_positions_fail_before_any_work(cluster_llama):
 def cluster_vllm(cluster_llama, tiny_path):
     """A vLLM replica on the same cluster (CPU only: it lands on the head node)."""
     pytest.importorskip("vllm")
-    model = load_model(str(tiny_path("llama")), backend="vllm", replicas=1, gpus_per_replica=0,
-                       cpus_per_replica=0.5, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"}, max_model_len=128)
-    yield model
-    model.close()
+    with vllm_replica(str(tiny_path("llama"))) as model:
+        yield model
 
 
 def test_a_vllm_replica_selects_inside_its_engine(cluster_vllm, eager_models):

@@ -27,9 +27,7 @@ TP_EQUALS_TP1 = ("resid_post", "attn_out", "mlp_out", "z")
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    config = tiny.configs()["llama"]
-    config.num_key_value_heads = 1
-    return str(tiny.build("llama", tmp_path_factory.mktemp("tp_tiny"), config=config))
+    return str(tiny.build_one_kv_head(tmp_path_factory.mktemp("tp_tiny")))
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,13 @@ def _bytes_to_unicode() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+def build_one_kv_head(root: Path) -> Path:
+    """The tiny Llama with a single KV head: under tensor parallelism every rank holds a copy."""
+    config = configs()["llama"]
+    config.num_key_value_heads = 1
+    return build("llama", root, config=config)
+
+
 def build(family: str, root: Path, seed: int = 0, config=None) -> Path:
     """Save a tiny random ``family`` model under ``root/family`` and return the folder."""
     from transformers import AutoModelForCausalLM

@@ -37,6 +37,7 @@ from ..archs import arch_for, model_info
 from ..archs.vllm_sites import LOGITS, VllmRead, vllm_sites
 from . import vllm_moe
 from .vllm_edits import EditBook
+from .vllm_rows import RowStore
 
 #: (layer, module path, phase) -> the addresses read there
 _Group = tuple[int, str, str]
@@ -61,9 +62,8 @@ class Recorder:
         self.wanted: dict[str, frozenset[Address]] = {}
         # request -> (prompt positions kept, first generated position kept or None)
         self.filters: dict[str, tuple[torch.Tensor, int | None]] = {}
-        # request -> address -> [(positions of the rows, chunk, offset, length)], in the order
-        # computed; a chunk holds one forward's rows of every request that wanted it
-        self.store: dict[str, dict[Address, list]] = {}
+        #: each registered request's recorded rows (one chunk per forward and address, shared)
+        self.rows = RowStore()
         # this forward's registered requests: (request, first row, end row, kept rows or None = all,
         # the positions of the kept rows)
         self.batch: list[tuple[str, int, int, torch.Tensor | None, torch.Tensor]] = []
@@ -85,7 +85,7 @@ class Recorder:
         for rid, want in requests.items():
             points = want["points"] if isinstance(want, dict) else want
             self.wanted[rid] = frozenset(parse_address(p) for p in points)
-            self.store[rid] = defaultdict(list)
+            self.rows.open(rid)
             if isinstance(want, dict) and want.get("positions") is not None:
                 self.filters[rid] = (torch.tensor(want["positions"], dtype=torch.long), want.get("after"))
             if isinstance(want, dict) and want.get("edits"):
@@ -98,11 +98,10 @@ class Recorder:
         are absent)."""
         out = {}
         for rid in request_ids:
-            recorded = self.store.pop(rid, {})
+            out[rid] = {str(a): rows for a, rows in self.rows.take(rid).items()}
             self.wanted.pop(rid, None)
             self.filters.pop(rid, None)
             self.editor.forget(rid)
-            out[rid] = {str(a): _dense(chunks) for a, chunks in recorded.items()}
             self.bytes_returned += sum(r.nbytes + p.nbytes for r, p in out[rid].values())
         self._rehook()
         return out
@@ -110,7 +109,7 @@ class Recorder:
     def release(self, request_ids: list[str]) -> None:
         """Forget requests without returning their rows (aborted requests)."""
         for rid in request_ids:
-            self.store.pop(rid, None)
+            self.rows.drop(rid)
             self.wanted.pop(rid, None)
             self.filters.pop(rid, None)
             self.editor.forget(rid)
@@ -201,8 +200,8 @@ class Recorder:
 
     def _selection(self, address: Address):
         """The rows of this forward that requests want at ``address``: a selector (a slice when
-        they are contiguous, else an index) and each request's (id, first row) in row order.
-        Cached per set of requesters, so one forward selects once per distinct set."""
+        they are contiguous, else an index) and the :class:`~.vllm_rows.Group` of those requests
+        that keeps them. Cached per set of requesters, so one forward selects once per distinct set."""
         if self._uniform is not None:
             wanted, selection = self._uniform
             return selection if address in wanted else None
@@ -218,7 +217,8 @@ class Recorder:
                 selector = slice(spans[0][1], spans[-1][2])
             else:
                 selector = torch.cat([torch.arange(s, e) if kept is None else kept for _, s, e, kept, _ in spans])
-            found = self._selections[key] = (selector, spans)
+            group = self.rows.group([(rid, len(positions), positions) for rid, _, _, _, positions in spans])
+            found = self._selections[key] = (selector, group)
         return found
 
     def _write_read(self, address: Address) -> VllmRead:
@@ -306,12 +306,8 @@ class Recorder:
             self._keep(address, selection, _select(parts, selection[0]))
 
     def _keep(self, address: Address, selection, chunk: torch.Tensor) -> None:
-        """One chunk per forward and address; each request keeps a reference to its rows."""
-        offset = 0
-        for rid, _, _, _, positions in selection[1]:
-            n = len(positions)
-            self.store[rid][address].append((positions, chunk, offset, n))
-            offset += n
+        """One chunk per forward and address, held by the group of requests that wanted it."""
+        selection[1].chunks[address] = chunk
 
     def _on_final_hidden(self, module, args, hidden):
         """Logits at every recorded row, through the model's own ``compute_logits``.
@@ -337,17 +333,3 @@ def _select(parts: list[torch.Tensor], selector) -> torch.Tensor:
         total += piece
     return total
 
-
-def _dense(entries: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's rows in position order, from ``(positions, chunk, offset, length)`` entries in
-    the order computed; a position computed again (recompute after preemption) takes the later
-    value. Returns ``(rows, positions)``: only the positions recorded, each once, ascending."""
-    rows = torch.cat([chunk[o : o + n] for _, chunk, o, n in entries]).cpu()
-    positions = torch.cat([pos for pos, _, _, _ in entries]).long()
-    if positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()):
-        return rows, positions
-    order = torch.sort(positions, stable=True).indices  # equal positions stay in computed order
-    ordered = positions[order]
-    last = torch.ones_like(ordered, dtype=torch.bool)
-    last[:-1] = ordered[1:] != ordered[:-1]  # the latest computation of each position
-    return rows[order[last]], ordered[last]

@@ -20,12 +20,13 @@ def test_requests_sharing_forwards_get_their_own_rows_in_order():
     store = RowStore()
     store.open("x"), store.open("y")
     prefill = torch.arange(10.0).reshape(5, 2)  # x: positions 0-2 (rows 0-2), y: positions 0-1 (rows 3-4)
-    forward(store, [("x", [0, 1, 2]), ("y", [0, 1])], {A: prefill, B: -prefill})
+    first = forward(store, [("x", [0, 1, 2]), ("y", [0, 1])], {A: prefill, B: -prefill})
     decode = torch.tensor([[100.0, 100.0], [200.0, 200.0]])
-    forward(store, [("x", [3]), ("y", [2])], {A: decode, B: -decode})
+    step = forward(store, [("x", [3]), ("y", [2])], {A: decode, B: -decode})
     x = store.take("x")
     assert torch.equal(x[A][0], torch.cat([prefill[:3], decode[:1]])) and x[A][1].tolist() == [0, 1, 2, 3]
     assert torch.equal(x[B][0], -x[A][0])
+    assert first.stacks() is None and [batch for batch, _ in step.stacks()] == [(A, B)]  # a prefill is sliced, a decode step stacked
     y = store.take("y")
     assert torch.equal(y[A][0], torch.cat([prefill[3:], decode[1:]])) and y[A][1].tolist() == [0, 1, 2]
     # nothing returned shares storage with another address or request (safetensors, Ray, IPC copy each whole)
@@ -76,3 +77,19 @@ def test_dropped_request_frees_nothing_of_the_others():
     forward(store, [("x", [0]), ("y", [0])], {A: torch.tensor([[1.0], [2.0]])})
     store.drop("x")
     assert store.take("y")[A][0].tolist() == [[2.0]]
+
+
+def test_stacks_stay_small(monkeypatch):
+    """Chunks are stacked a few at a time (never one huge allocation), and the rows come back the same."""
+    from interp_engine.backends import vllm_rows
+
+    monkeypatch.setattr(vllm_rows, "STACK_BYTES", 3 * 2 * 4)  # three [2, 1] float32 chunks a stack
+    store = RowStore()
+    store.open("x"), store.open("y")
+    addresses = [f"resid_post.{i}" for i in range(7)]
+    group = forward(store, [("x", [0]), ("y", [0])], {a: torch.tensor([[i], [-i]], dtype=torch.float32) for i, a in enumerate(addresses)})
+    forward(store, [("x", [1]), ("y", [1])], {a: torch.tensor([[10.0 + i], [0.0]]) for i, a in enumerate(addresses)})
+    x = store.take("x")
+    assert [len(batch) for batch, _ in group.stacks()] == [3, 3, 1]
+    assert [x[a][0][:, 0].tolist() for a in addresses] == [[i, 10.0 + i] for i in range(7)]
+    assert store.take("y")["resid_post.2"][0][:, 0].tolist() == [-2.0, 0.0]

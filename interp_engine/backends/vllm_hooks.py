@@ -60,6 +60,7 @@ class Recorder:
         self._stash_groups: dict[_Group, int] = {}
         self.layers = self.model.get_submodule(arch.layers)
         self.wanted: dict[str, frozenset[Address]] = {}
+        self._sets: dict[frozenset, frozenset] = {}
         # request -> (prompt positions kept, first generated position kept or None)
         self.filters: dict[str, tuple[torch.Tensor, int | None]] = {}
         #: each registered request's recorded rows (one chunk per forward and address, shared)
@@ -84,7 +85,9 @@ class Recorder:
         record these rows from now on."""
         for rid, want in requests.items():
             points = want["points"] if isinstance(want, dict) else want
-            self.wanted[rid] = frozenset(parse_address(p) for p in points)
+            wanted = frozenset(parse_address(p) for p in points)
+            # one object per distinct set: forwards compare the sets of their requests by identity
+            self.wanted[rid] = self._sets.setdefault(wanted, wanted)
             self.rows.open(rid)
             if isinstance(want, dict) and want.get("positions") is not None:
                 self.filters[rid] = (torch.tensor(want["positions"], dtype=torch.long), want.get("after"))
@@ -103,6 +106,8 @@ class Recorder:
             self.filters.pop(rid, None)
             self.editor.forget(rid)
             self.bytes_returned += sum(r.nbytes + p.nbytes for r, p in out[rid].values())
+        if not self.wanted:
+            self._sets.clear()
         self._rehook()
         return out
 
@@ -113,6 +118,8 @@ class Recorder:
             self.wanted.pop(rid, None)
             self.filters.pop(rid, None)
             self.editor.forget(rid)
+        if not self.wanted:
+            self._sets.clear()
         self._rehook()
 
     # -- hooks ----------------------------------------------------------------------------------

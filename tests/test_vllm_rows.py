@@ -93,3 +93,12 @@ def test_stacks_stay_small(monkeypatch):
     assert [len(batch) for batch, _ in group.stacks()] == [3, 3, 1]
     assert [x[a][0][:, 0].tolist() for a in addresses] == [[i, 10.0 + i] for i in range(7)]
     assert store.take("y")["resid_post.2"][0][:, 0].tolist() == [-2.0, 0.0]
+
+
+def test_a_lone_request_gets_its_chunk_without_a_copy():
+    store = RowStore()
+    store.open("x")
+    chunk = torch.zeros(3, 2)
+    forward(store, [("x", [0, 1, 2])], {A: chunk})
+    rows, positions = store.take("x")[A]
+    assert rows is chunk and positions.tolist() == [0, 1, 2]

@@ -96,8 +96,9 @@ class RowStore:
             if layout is None:  # one prefill-like group: its chunks, sliced
                 offset, count, positions = spans[0]
                 positions = positions.long()
-                for address, chunk in groups[0].chunks.items():
-                    pieces.setdefault(address, []).append((chunk[offset : offset + count], positions))
+                for address, chunk in groups[0].chunks.items():  # a lone request's chunk is its own
+                    rows = chunk if count == len(chunk) else chunk[offset : offset + count]
+                    pieces.setdefault(address, []).append((rows, positions))
                 continue
             positions, keep = _latest(torch.cat([p for _, _, p in spans]).long())
             for k, addresses in enumerate(layout):
@@ -127,7 +128,7 @@ def _join(parts: list[tuple[torch.Tensor, torch.Tensor]], orders: dict) -> tuple
     position order by the pieces' position tensors."""
     if len(parts) == 1:
         rows, positions = parts[0]
-        return rows.to("cpu", copy=True), positions
+        return rows.to("cpu", copy=rows._base is not None), positions
     key = tuple(id(p) for _, p in parts)
     if key not in orders:
         orders[key] = _latest(torch.cat([p for _, p in parts]))

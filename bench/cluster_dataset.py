@@ -80,13 +80,61 @@ def overhead_and_scaling(args, work: Path) -> dict:
         nodes = len(set(two.nodes))
         timed_build(two, texts[:16], points, work / "warm-2")
         double_s = min(timed_build(two, texts, points, work / "double") for _ in range(args.repeats))
+        before = time.time()
+        traced_s = timed_build(two, texts, points, work / "traced")
+        busy = replica_busy(ray.timeline(), before)
+        busy["build_s"] = traced_s
         two.close()
+        parts = phases(args.model, texts, points, work)
     finally:
         ray.shutdown()
         cluster.shutdown()
     return {"prompts": args.prompts, "local_s": local_s, "cluster_1_replica_s": one_s,
             "overhead_ratio": one_s / local_s, "one_replica_1_thread_s": single_s,
-            "two_replicas_1_thread_s": double_s, "scaling_time_ratio": double_s / single_s, "nodes": nodes}
+            "two_replicas_1_thread_s": double_s, "scaling_time_ratio": double_s / single_s, "nodes": nodes,
+            "two_replicas_busy": busy, "in_process_phases_s": parts}
+
+
+def replica_busy(events: list[dict], since: float) -> dict:
+    """From Ray's task timeline, the last build's ``write_shard`` calls on each replica worker:
+    busy seconds, the span from the build's first shard to the replica's last, and the shards."""
+    calls = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).endswith("write_shard")
+             and e["ts"] / 1e6 >= since]
+    start = min((e["ts"] for e in calls), default=0)
+    lead_in = start / 1e6 - since  # the build's start to its first shard's
+    per: dict[str, dict] = {}
+    for e in calls:
+        r = per.setdefault(str(e["tid"]), {"busy_s": 0.0, "shards": 0, "last_end_s": 0.0})
+        r["busy_s"] += e["dur"] / 1e6
+        r["shards"] += 1
+        r["last_end_s"] = max(r["last_end_s"], (e["ts"] + e["dur"] - start) / 1e6)
+    return {"replicas": list(per.values()), "lead_in_s": lead_in,
+            "first_to_last_s": max((r["last_end_s"] for r in per.values()), default=0)}
+
+
+def phases(model_name: str, texts, points, work: Path) -> dict:
+    """The replica's work per build, done in this process with one torch thread, by phase:
+    capture and Arrow encoding (``capture_table``), Parquet encoding, the store write."""
+    from interp_engine import load_model
+    from interp_engine.dataset_shard import ShardSpec, capture_table, shard_bytes
+    from interp_engine.dataset_store import Store
+
+    model = load_model(model_name)
+    (work / "phases").mkdir()
+    store = Store.of(str(work / "phases"))
+    spec = ShardSpec(store, tuple(points), "token", "float32", 64, -(-len(texts) // 8), 8)
+    out = {"capture_and_table": 0.0, "parquet": 0.0, "write": 0.0}
+    for index in range(spec.n_shards):
+        t0 = time.perf_counter()
+        table, _ = capture_table(model, spec, index, texts[index * 8:(index + 1) * 8])
+        t1 = time.perf_counter()
+        data = shard_bytes(table)
+        t2 = time.perf_counter()
+        store.write(spec.name(index), data)
+        out["capture_and_table"] += t1 - t0
+        out["parquet"] += t2 - t1
+        out["write"] += time.perf_counter() - t2
+    return out
 
 
 def rss_child(args) -> None:
@@ -140,6 +188,15 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     print(f"overhead (cluster 1 replica / local): {result['overhead_ratio']:.3f}  (target <= 1.15)")
     print(f"scaling (2 replicas on {result['nodes']} nodes / 1 replica, time): {result['scaling_time_ratio']:.3f}")
+    busy, parts = result["two_replicas_busy"], result["in_process_phases_s"]
+    print("2 replicas, one traced build: " + ", ".join(
+        f"replica busy {r['busy_s']:.2f} s ({r['shards']} shards, last done at {r['last_end_s']:.2f} s)"
+        for r in busy["replicas"]) + f"; build {busy['build_s']:.2f} s: start to first shard {busy['lead_in_s']:.2f} s, "
+        f"first shard to last {busy['first_to_last_s']:.2f} s, the rest (manifest, checks) "
+        f"{busy['build_s'] - busy['lead_in_s'] - busy['first_to_last_s']:.2f} s")
+    total = sum(parts.values())
+    print("the replicas' work done in this process, by phase: " + ", ".join(
+        f"{name} {seconds:.2f} s ({seconds / total:.0%})" for name, seconds in parts.items()))
     if not args.skip_memory:
         print(f"peak RSS {args.rss_prompts[1]} vs {args.rss_prompts[0]} prompts: driver "
               f"{result['driver_rss_ratio']:.3f}, replica {result['replica_rss_ratio']:.3f}  (target <= 1.2)")

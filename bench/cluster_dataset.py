@@ -112,6 +112,32 @@ def replica_busy(events: list[dict], since: float) -> dict:
             "first_to_last_s": max((r["last_end_s"] for r in per.values()), default=0)}
 
 
+_SPIN = """
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(128, 576), torch.randn(576, 1536)
+start = time.perf_counter()
+for _ in range({n}):
+    a @ b
+print(time.perf_counter() - start)
+"""
+
+
+def machine_parallelism(n: int = 4000) -> float:
+    """Two single-threaded compute processes at once / the same two one after the other (wall):
+    the best time ratio any two replicas can reach on this machine (0.5 with two free cores)."""
+    def run(k: int) -> float:
+        start = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", _SPIN.format(n=n)], stdout=subprocess.DEVNULL)
+                 for _ in range(k)]
+        for p in procs:
+            p.wait()
+        return time.perf_counter() - start
+
+    run(1)
+    return min(run(2) / (2 * run(1)) for _ in range(3))
+
+
 def phases(model_name: str, texts, points, work: Path) -> dict:
     """The replica's work per build, done in this process with one torch thread, by phase:
     capture and Arrow encoding (``capture_table``), Parquet encoding, the store write."""
@@ -183,11 +209,14 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         result = overhead_and_scaling(args, Path(tmp))
+    result["machine_parallelism"] = machine_parallelism()
     if not args.skip_memory:
         result.update(memory(args))
     print(json.dumps(result, indent=2))
     print(f"overhead (cluster 1 replica / local): {result['overhead_ratio']:.3f}  (target <= 1.15)")
     print(f"scaling (2 replicas on {result['nodes']} nodes / 1 replica, time): {result['scaling_time_ratio']:.3f}")
+    print(f"this machine: two single-threaded compute processes at once / one after the other "
+          f"{result['machine_parallelism']:.3f} (the floor of the scaling ratio; load average {os.getloadavg()[0]:.2f})")
     busy, parts = result["two_replicas_busy"], result["in_process_phases_s"]
     print("2 replicas, one traced build: " + ", ".join(
         f"replica busy {r['busy_s']:.2f} s ({r['shards']} shards, last done at {r['last_end_s']:.2f} s)"

@@ -126,6 +126,7 @@ def main() -> None:
 
 def report(times: dict[str, list[tuple[float, float]]]) -> None:
     print(f"{'variant':<12}{'wall s':>8}{'cpu s':>8}   all runs, wall/cpu (s)")
+    times = {name: ts for name, ts in times.items() if ts}  # --eager-reps 0 leaves eager out
     for name, ts in times.items():
         runs = " ".join(f"{w:.2f}/{c:.2f}" for w, c in ts)
         print(f"{name:<12}{statistics.median(w for w, _ in ts):>8.2f}{statistics.median(c for _, c in ts):>8.2f}   {runs}")
@@ -140,6 +141,8 @@ def report(times: dict[str, list[tuple[float, float]]]) -> None:
           f"  target <= 1.10")
     print(f"capture / plain through loop   wall {ratio('capture', 'plain_loop', 0)}  "
           f"cpu {ratio('capture', 'plain_loop', 1)}")
+    if "eager" not in times:
+        return
     eager_wall = statistics.median(w for w, _ in times["eager"])
     eager_cpu = statistics.median(c for _, c in times["eager"])
     print(f"eager capture / vLLM capture   wall {eager_wall / statistics.median(w for w, _ in times['capture']):.2f}x  "

@@ -59,7 +59,7 @@ def report(title: str, times: dict, units: dict[str, int], unit: str) -> None:
     """One line per variant: medians, paired ratios to ``plain``, extra seconds per unit of work."""
     print(f"\n{title}")
     print(f"{'variant':<22}{'wall s':>8}{'cpu s':>8}{'wall/plain':>12}{'cpu/plain':>11}"
-          f"{'extra cpu ms/' + unit:>20}")
+          f"{'extra cpu ms/' + unit:>24}")
     for name, ts in times.items():
         base = times[plain_of(name)]
         wall = statistics.median(w / b for (w, _), (b, _) in zip(ts, base))
@@ -67,7 +67,7 @@ def report(title: str, times: dict, units: dict[str, int], unit: str) -> None:
         extra = statistics.median(c - b for (_, c), (_, b) in zip(ts, base))
         per = f"{1e3 * extra / units[name]:.3f}" if units.get(name) else ""
         print(f"{name:<22}{statistics.median(w for w, _ in ts):>8.2f}{statistics.median(c for _, c in ts):>8.2f}"
-              f"{wall:>12.3f}{cpu:>11.3f}{per:>20}")
+              f"{wall:>12.3f}{cpu:>11.3f}{per:>24}")
 
 
 def plain_of(name: str) -> str:

@@ -17,7 +17,6 @@ The report gives median wall times and the median of the per-repetition ratios t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import statistics
@@ -25,24 +24,15 @@ import time
 
 import torch
 
+from vllm_capture import gather, prompts
+
 from interp_engine import Add, load_model
-
-SUBJECTS = ["The capital of France", "A good way to learn physics", "My favourite recipe for bread",
-            "The history of the printing press", "Why the sky is blue", "How vaccines work",
-            "The rules of chess", "A short poem about the sea"]
-
-
-def prompts(model, n: int):
-    return [model.to_tokens(SUBJECTS[i % len(SUBJECTS)] + " is" + " really" * (i % 9) + ",") for i in range(n)]
 
 
 def run(model, batch, edits, tokens: int) -> float:
-    async def main():
-        return await asyncio.gather(*(model.capture_generation_async(t, ["logits"], max_tokens=tokens, positions=-1,
-                                                                     stop_at_eos=False, edits=edits) for t in batch))
-
     started = time.perf_counter()
-    results = asyncio.run(main())
+    results = gather([model.capture_generation_async(t, ["logits"], max_tokens=tokens, positions=-1,
+                                                     stop_at_eos=False, edits=edits) for t in batch])
     seconds = time.perf_counter() - started
     assert all(len(c.token_ids) == tokens for c, _ in results)
     return seconds

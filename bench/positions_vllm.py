@@ -19,31 +19,21 @@ median of the per-repetition ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import statistics
 import time
 
+from vllm_capture import gather, prompts
+
 from interp_engine import load_model
-
-SUBJECTS = ["The capital of France", "A good way to learn physics", "My favourite recipe for bread",
-            "The history of the printing press", "Why the sky is blue", "How vaccines work",
-            "The rules of chess", "A short poem about the sea"]
-
-
-def prompts(model, n: int):
-    return [model.to_tokens(SUBJECTS[i % len(SUBJECTS)] + " is" + " really" * (i % 9) + ",") for i in range(n)]
 
 
 def run(model, batch, positions) -> tuple[float, int]:
     before = model.engine_state()[0]["bytes_returned"]
 
-    async def main():
-        return await asyncio.gather(*(model.capture(t, ["resid_post"], positions=positions) for t in batch))
-
     started = time.perf_counter()
-    results = asyncio.run(main())
+    results = gather([model.capture(t, ["resid_post"], positions=positions) for t in batch])
     seconds = time.perf_counter() - started
     assert len(results) == len(batch) and all(len(r) == model.n_layers for r in results)
     return seconds, model.engine_state()[0]["bytes_returned"] - before

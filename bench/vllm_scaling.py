@@ -20,13 +20,12 @@ faster than the work shows as a growing per-unit number.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import statistics
 
 import torch
-from vllm_capture import SMOL, plain_generate, prompts, timed
+from vllm_capture import SMOL, gather, plain_generate, prompts, timed
 
 from interp_engine import Address, load_model
 
@@ -37,10 +36,7 @@ def capture(model, batch, points, new_tokens: int | None) -> None:
     """Every prompt of ``batch`` captured at once; a prefill when ``new_tokens`` is None."""
     options = {} if new_tokens is None else {"max_tokens": new_tokens, "stop_at_eos": False}
 
-    async def main():
-        return await asyncio.gather(*(model.capture(t, points, **options) for t in batch))
-
-    results = asyncio.run(main())
+    results = gather([model.capture(t, points, **options) for t in batch])
     extra = 0 if new_tokens is None else new_tokens - 1
     assert all(r[points[0]].shape[1] == t.shape[1] + extra for r, t in zip(results, batch))
 

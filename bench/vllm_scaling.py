@@ -7,8 +7,9 @@ curve's plain baseline, and the extra time per point or per position, so that a 
 faster than the work shows as a growing per-unit number.
 
 - ``points``: the generation workload of ``bench/vllm_capture.py`` (64 prompts, 32 new tokens,
-  all in flight at once), capturing ``resid_post`` at 1, 8 and all 30 layers, and every dense
-  site at every layer plus ``logits`` (301 points), every position; baseline: vLLM's own
+  all in flight at once), capturing ``resid_post`` at 1, 8 and all 30 layers, every dense site
+  at every layer (300 points), and ``logits`` (one vocabulary projection per position, which
+  vLLM itself computes for the last position only), every position; baseline: vLLM's own
   ``LLM.generate`` on the same engine.
 - ``positions``: prefill only (``await model.capture(tokens, points)``), ``resid_post`` at all 30
   layers, prompts of 16, 256 and 1,024 random tokens, as many prompts as fill the same token
@@ -32,13 +33,15 @@ from interp_engine import Address, load_model
 DENSE = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v", "mlp_post")
 
 
-def capture(model, batch, points, new_tokens: int | None) -> None:
-    """Every prompt of ``batch`` captured at once; a prefill when ``new_tokens`` is None."""
+def capture(model, batch, points, new_tokens: int | None) -> int:
+    """Every prompt of ``batch`` captured at once (a prefill when ``new_tokens`` is None); the
+    bytes captured."""
     options = {} if new_tokens is None else {"max_tokens": new_tokens, "stop_at_eos": False}
 
     results = gather([model.capture(t, points, **options) for t in batch])
     extra = 0 if new_tokens is None else new_tokens - 1
     assert all(r[points[0]].shape[1] == t.shape[1] + extra for r, t in zip(results, batch))
+    return sum(tensor.nbytes for r in results for tensor in r.values())
 
 
 def measure(variants: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
@@ -51,19 +54,23 @@ def measure(variants: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
     return times
 
 
-def report(title: str, times: dict, units: dict[str, int], unit: str) -> None:
-    """One line per variant: medians, paired ratios to ``plain``, extra seconds per unit of work."""
+def report(title: str, times: dict, units: dict[str, int], unit: str, sizes: dict[str, int]) -> None:
+    """One line per variant: medians, paired ratios to ``plain``, extra CPU time per unit of work
+    and per MiB captured."""
     print(f"\n{title}")
     print(f"{'variant':<22}{'wall s':>8}{'cpu s':>8}{'wall/plain':>12}{'cpu/plain':>11}"
-          f"{'extra cpu ms/' + unit:>24}")
+          f"{'extra cpu ms/' + unit:>24}{'MiB':>9}{'extra cpu ms/MiB':>18}")
     for name, ts in times.items():
         base = times[plain_of(name)]
         wall = statistics.median(w / b for (w, _), (b, _) in zip(ts, base))
         cpu = statistics.median(c / b for (_, c), (_, b) in zip(ts, base))
         extra = statistics.median(c - b for (_, c), (_, b) in zip(ts, base))
         per = f"{1e3 * extra / units[name]:.3f}" if units.get(name) else ""
+        mib = sizes.get(name, 0) / (1 << 20)
+        per_mib = f"{1e3 * extra / mib:.2f}" if mib else ""
+        mib = f"{mib:.1f}" if mib else ""
         print(f"{name:<22}{statistics.median(w for w, _ in ts):>8.2f}{statistics.median(c for _, c in ts):>8.2f}"
-              f"{wall:>12.3f}{cpu:>11.3f}{per:>24}")
+              f"{wall:>12.3f}{cpu:>11.3f}{per:>24}{mib:>9}{per_mib:>18}")
 
 
 def plain_of(name: str) -> str:
@@ -79,14 +86,16 @@ def points_curve(model, reps: int, new_tokens: int) -> None:
         "resid_post x1": [Address("resid_post", layers // 2)],
         "resid_post x8": [Address("resid_post", layer) for layer in range(0, layers, max(1, layers // 8))][:8],
         f"resid_post x{layers}": [Address("resid_post", layer) for layer in range(layers)],
-        f"dense x{layers} + logits": [Address(s, layer) for layer in range(layers) for s in DENSE] + [Address("logits")],
+        f"dense x{layers}": [Address(s, layer) for layer in range(layers) for s in DENSE],
+        "logits": [Address("logits")],
     }
     variants = {"plain": lambda: plain_generate(model, batch, new_tokens)}
     for name, points in sets.items():
         variants[name] = lambda points=points: capture(model, batch, points, new_tokens)
+    sizes = {name: capture(model, batch, points, new_tokens) for name, points in sets.items()}
     times = measure(variants, reps)
     report(f"points: 64 prompts x {new_tokens} new tokens, every position", times,
-           {name: len(points) for name, points in sets.items()}, "point")
+           {name: len(points) for name, points in sets.items()}, "point", sizes)
 
 
 def positions_curve(model, reps: int, budget: int) -> None:
@@ -99,9 +108,10 @@ def positions_curve(model, reps: int, budget: int) -> None:
         variants[f"plain@{length}"] = lambda batch=batch: plain_generate(model, batch, 1)
         variants[f"capture@{length}"] = lambda batch=batch: capture(model, batch, points, None)
         units[f"capture@{length}"] = length * len(batch)
+    sizes = {name: variants[name]() for name in units}
     times = measure(variants, reps)
     report(f"positions: prefill, resid_post x{model.n_layers}, {budget}-token budget per variant", times, units,
-           "position")
+           "position", sizes)
 
 
 def main() -> None:

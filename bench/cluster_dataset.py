@@ -80,10 +80,11 @@ def overhead_and_scaling(args, work: Path) -> dict:
         nodes = len(set(two.nodes))
         timed_build(two, texts[:16], points, work / "warm-2")
         double_s = min(timed_build(two, texts, points, work / "double") for _ in range(args.repeats))
-        before = time.time()
+        before, cpu_before = time.time(), cpu_seconds()
         traced_s = timed_build(two, texts, points, work / "traced")
         busy = replica_busy(ray.timeline(), before)
         busy["build_s"] = traced_s
+        busy["cpu_s"] = cpu_by_role(cpu_before, cpu_seconds())
         two.close()
         parts = phases(args.model, texts, points, work)
     finally:
@@ -93,6 +94,31 @@ def overhead_and_scaling(args, work: Path) -> dict:
             "overhead_ratio": one_s / local_s, "one_replica_1_thread_s": single_s,
             "two_replicas_1_thread_s": double_s, "scaling_time_ratio": double_s / single_s, "nodes": nodes,
             "two_replicas_busy": busy, "in_process_phases_s": parts}
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process on the machine: its command line and CPU seconds so far."""
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is not None:
+            out[proc.info["pid"]] = (" ".join(proc.info["cmdline"] or [proc.info["name"] or ""]), times.user + times.system)
+    return out
+
+
+ROLES = (("ReplicaActor", "replicas"), ("CoordinatorActor", "coordinator"), ("raylet", "raylets"),
+         ("gcs_server", "GCS"), ("agent", "Ray agents"), ("dashboard", "Ray agents"), ("ray::", "other Ray workers"))
+
+
+def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each role used between two :func:`cpu_seconds` snapshots."""
+    used: dict[str, float] = {}
+    for pid, (command, seconds) in after.items():
+        role = "driver" if pid == os.getpid() else next((r for key, r in ROLES if key in command), "other processes")
+        used[role] = used.get(role, 0.0) + seconds - before.get(pid, ("", 0.0))[1]
+    return dict(sorted(used.items(), key=lambda item: -item[1]))
 
 
 def replica_busy(events: list[dict], since: float) -> dict:
@@ -223,6 +249,8 @@ def main() -> None:
         for r in busy["replicas"]) + f"; build {busy['build_s']:.2f} s: start to first shard {busy['lead_in_s']:.2f} s, "
         f"first shard to last {busy['first_to_last_s']:.2f} s, the rest (manifest, checks) "
         f"{busy['build_s'] - busy['lead_in_s'] - busy['first_to_last_s']:.2f} s")
+    print("CPU seconds during that build, by role: " + ", ".join(
+        f"{role} {seconds:.2f}" for role, seconds in busy["cpu_s"].items() if seconds >= 0.01))
     total = sum(parts.values())
     print("the replicas' work done in this process, by phase: " + ", ".join(
         f"{name} {seconds:.2f} s ({seconds / total:.0%})" for name, seconds in parts.items()))

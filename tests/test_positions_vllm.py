@@ -17,6 +17,7 @@ from interp_engine import capture_generation, lens_top, load_model, logit_lens, 
 
 from . import tiny
 from .oracles import assert_near
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 
@@ -32,7 +33,7 @@ def pair(request, tiny_path):
 
 
 def returned(model) -> list[int]:
-    return [rank["bytes_returned"] for rank in model.engine_state()]
+    return [rank["bytes_returned"] for rank in engine_state(model)]
 
 
 def check_selected(got, full, rows: list[int], what: str) -> None:

@@ -2,7 +2,7 @@
 
 Oracles: the same engine's full capture indexed by hand (the same forward: bit for bit, except
 ``logits``, whose unembedding then runs on fewer rows), the eager backend on the same weights
-(rel 1e-4), and the bytes each worker reports handing back (``engine_state()["bytes_returned"]``):
+(rel 1e-4), and the bytes each worker reports handing back (``probes.engine_state(model)[rank]["bytes_returned"]``):
 a selection of k of n positions must hand back exactly k/n of the bytes.
 """
 

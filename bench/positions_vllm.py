@@ -9,8 +9,8 @@ repetition (shuffled order):
 - ``last``: ``positions=-1``, the last prompt token only (a probe's usual input). The workers drop
   every other row before copying anything.
 
-Bytes returned are what the workers hand to the driver (``engine_state()["bytes_returned"]``,
-counted in the worker); time is the wall time of the 64 captures. The report gives medians and the
+Bytes returned are what the workers hand to the driver (the workers' ``interp_state``
+``bytes_returned``, counted in the worker); time is the wall time of the 64 captures. The report gives medians and the
 median of the per-repetition ratios.
 
     .venv/bin/python bench/positions_vllm.py [--reps 5] [--prompts 64]
@@ -27,16 +27,22 @@ import time
 from vllm_capture import gather, prompts
 
 from interp_engine import load_model
+from interp_engine.backends.vllm_loop import run_on_loop
+
+
+def bytes_returned(model) -> int:
+    """What rank 0 has handed to this process so far (the probe tests/probes.py also uses)."""
+    return run_on_loop(model._loop, "interp_state")[0]["bytes_returned"]
 
 
 def run(model, batch, positions) -> tuple[float, int]:
-    before = model.engine_state()[0]["bytes_returned"]
+    before = bytes_returned(model)
 
     started = time.perf_counter()
     results = gather([model.capture(t, ["resid_post"], positions=positions) for t in batch])
     seconds = time.perf_counter() - started
     assert len(results) == len(batch) and all(len(r) == model.n_layers for r in results)
-    return seconds, model.engine_state()[0]["bytes_returned"] - before
+    return seconds, bytes_returned(model) - before
 
 
 def main(argv=None) -> None:

@@ -12,6 +12,7 @@ from interp_engine import (Add, Address, AddressError, InputError, Scale, Set, Z
                            parse_address, run_with_cache)
 
 from .oracles import REL, REL_SAME, assert_near
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 
@@ -112,7 +113,7 @@ def test_concurrent_requests_never_share_edits(models):
                                       for p, e in zip(prompts, edits)))
 
     together = asyncio.run(all_at_once())
-    assert max(rank["max_batch"] for rank in vllm_model.engine_state()) > 1  # they shared forwards
+    assert max(rank["max_batch"] for rank in engine_state(vllm_model)) > 1  # they shared forwards
     for i, (tokens, edit, got) in enumerate(zip(prompts, edits, together)):
         alone = asyncio.run(vllm_model.capture(tokens, points, edits=edit, max_tokens=3))
         for point in points:
@@ -122,7 +123,7 @@ def test_concurrent_requests_never_share_edits(models):
             plain = asyncio.run(vllm_model.capture(tokens, points, max_tokens=3))
             key = Address("logits")
             assert (plain[key] - alone[key]).abs().max() > 1e-2, f"request {i}: the edit changed nothing"
-    for rank in vllm_model.engine_state():
+    for rank in engine_state(vllm_model):
         assert rank["pending"] == [] and rank["hooks"] == 0 and rank["edited"] == []
 
 

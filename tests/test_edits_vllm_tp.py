@@ -12,6 +12,7 @@ from interp_engine import Add, Scale, Set, Zero, capture_generation, load_model,
 
 from . import tiny
 from .oracles import REL, assert_near
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 
@@ -71,5 +72,5 @@ def test_tp2_steered_generation_equals_tp1(tp2, tp1):
     assert one.token_ids != plain.token_ids
     assert two.token_ids == one.token_ids
     assert_near(two_cache["logits"], one_cache["logits"], "TP=2 steered generation", REL)
-    for rank in tp2.engine_state():
+    for rank in engine_state(tp2):
         assert rank["pending"] == [] and rank["hooks"] == 0 and rank["edited"] == []

@@ -22,6 +22,7 @@ import torch
 from interp_engine import load_model, run_with_cache
 
 from .oracles import assert_near
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
@@ -82,7 +83,7 @@ def assert_same(got, want, what: str) -> None:
 
 
 def assert_idle(model) -> None:
-    for rank in model.engine_state():
+    for rank in engine_state(model):
         assert rank["pending"] == [] and rank["hooks"] == 0, rank
 
 
@@ -102,7 +103,7 @@ def test_200_concurrent_mixed_requests_each_equal_their_solo_run(model):
         return await asyncio.gather(*(request(model, job) for job in work))
 
     together = asyncio.run(all_at_once())
-    assert max(rank["max_batch"] for rank in model.engine_state()) > 8  # they really shared forwards
+    assert max(rank["max_batch"] for rank in engine_state(model)) > 8  # they really shared forwards
     assert_idle(model)
     for i, (job, got) in enumerate(zip(work, together)):
         assert_same(got, solo(model, job), f"request {i}")

@@ -19,6 +19,7 @@ from interp_engine.backends.vllm_moe import unreadable_sites
 
 from . import tiny_moe
 from .oracles import assert_near
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 
@@ -80,7 +81,7 @@ def test_selection_is_what_vllm_routed(pair):
     for L in layers:
         assert len(seen[L]) == 1, "one prefill forward"
         assert torch.equal(cache.get("expert_indices", L)[0], seen[L][0].long())
-    assert vllm.engine_state()[0]["hooks"] == 0, "the router's select_experts is restored after the capture"
+    assert engine_state(vllm)[0]["hooks"] == 0, "the router's select_experts is restored after the capture"
 
 
 def test_expert_assignment_from_vllm_router_logits(pair):
@@ -123,7 +124,7 @@ def _layer(monolithic: bool | None):
 
 
 def test_monolithic_kernels_leave_the_selection_unserved():
-    from interp_engine.archs.vllm_sites import vllm_sites
+    from interp_engine.archs import vllm_sites
 
     table = vllm_sites("qwen3_moe")
     assert unreadable_sites([_layer(None), _layer(False)], table) == []

@@ -13,6 +13,7 @@ from interp_engine import expert_assignment, load_model, run_with_cache
 
 from . import tiny_moe
 from .oracles import REL
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 
@@ -37,4 +38,4 @@ def test_routing_under_tensor_parallelism_matches_eager(pair):
             assert err <= REL * float(want.get(name, L).abs().max()), f"{name}.{L}"
         dense, oracle = expert_assignment(got, L, 128), expert_assignment(want, L, 128)
         assert float((dense - oracle).abs().max()) <= REL * float(oracle.abs().max()), f"assignment at {L}"
-    assert [rank["hooks"] for rank in vllm.engine_state()] == [0, 0], "every rank's router is restored"
+    assert [rank["hooks"] for rank in engine_state(vllm)] == [0, 0], "every rank's router is restored"

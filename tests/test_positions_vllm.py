@@ -2,7 +2,7 @@
 
 Oracles: the same engine's full capture indexed by hand (the same forward: bit for bit, except
 ``logits``, whose unembedding then runs on fewer rows), the eager backend on the same weights
-(rel 1e-4), and the bytes each worker reports handing back (``engine_state()["bytes_returned"]``):
+(rel 1e-4), and the bytes each worker reports handing back (``probes.engine_state(model)[rank]["bytes_returned"]``):
 a selection of k of n positions must hand back exactly k/n of the bytes.
 """
 
@@ -17,6 +17,7 @@ from interp_engine import capture_generation, lens_top, load_model, logit_lens, 
 
 from . import tiny
 from .oracles import assert_near
+from .probes import engine_state
 
 pytest.importorskip("vllm")
 
@@ -32,7 +33,7 @@ def pair(request, tiny_path):
 
 
 def returned(model) -> list[int]:
-    return [rank["bytes_returned"] for rank in model.engine_state()]
+    return [rank["bytes_returned"] for rank in engine_state(model)]
 
 
 def check_selected(got, full, rows: list[int], what: str) -> None:

@@ -1,7 +1,7 @@
 """Gemma 3n (AltUp, several residual streams) on the vLLM backend, against the eager backend.
 
 vLLM's Gemma 3n layer returns its streams stacked first, ``[stream, tokens, d_model]``; the
-table reads them with layout ``"s t d"``. Tolerance as in the dense parity tests:
+table reads them with layout ``"s (b p) d"``. Tolerance as in the dense parity tests:
 ``max |vllm - eager| <= 1e-4 * max |eager|`` (fp32).
 """
 

@@ -12,6 +12,8 @@ import torch
 
 from interp_engine import Address, AddressError, InputError, capture_generation, load_model, run_with_cache
 
+from .probes import engine_state
+
 pytest.importorskip("vllm")
 
 POINTS = ["resid_post.1", "z.2", "mlp_out.0", "logits"]
@@ -40,7 +42,7 @@ def assert_serves(model, reference) -> None:
 
 def test_warm_up_leaves_nothing(model):
     # First thing on a fresh engine: start-up and profile runs registered nothing and left no hook.
-    for rank in model.engine_state():
+    for rank in engine_state(model):
         assert rank["pending"] == [] and rank["hooks"] == 0 and rank["max_batch"] == 0
     tokens = model.to_tokens("first")
     cache = run_with_cache(model, tokens, ["resid_pre.0", "logits"])
@@ -49,7 +51,7 @@ def test_warm_up_leaves_nothing(model):
     from vllm import SamplingParams
 
     model.llm.generate([{"prompt_token_ids": [256, 65, 66]}], SamplingParams(max_tokens=3), use_tqdm=False)
-    for rank in model.engine_state():
+    for rank in engine_state(model):
         assert rank["pending"] == [] and rank["hooks"] == 0
 
 
@@ -61,7 +63,7 @@ def test_concurrent_async_captures_each_get_their_own_rows(model):
         return await asyncio.gather(*(model.capture(p, POINTS) for p in prompts))
 
     results = asyncio.run(all_at_once())
-    assert max(rank["max_batch"] for rank in model.engine_state()) > 1  # they really shared forwards
+    assert max(rank["max_batch"] for rank in engine_state(model)) > 1  # they really shared forwards
     for tokens, got in zip(prompts, results):
         assert type(got) is dict and all(isinstance(key, Address) for key in got)
         with pytest.raises(KeyError):
@@ -71,7 +73,7 @@ def test_concurrent_async_captures_each_get_their_own_rows(model):
             mine = got[Address(*_split(point))]
             assert mine.shape[1] == tokens.shape[1]
             torch.testing.assert_close(mine, alone[point], rtol=1e-5, atol=1e-5)
-    for rank in model.engine_state():
+    for rank in engine_state(model):
         assert rank["pending"] == [] and rank["hooks"] == 0
 
 
@@ -210,7 +212,7 @@ def test_an_abandoned_capture_is_aborted_and_forgotten(model, reference):
 
     asyncio.run(start_then_abandon())
     assert_serves(model, reference)  # the loop aborted it between steps, then served this
-    for rank in model.engine_state():
+    for rank in engine_state(model):
         assert rank["pending"] == [] and rank["hooks"] == 0
 
 

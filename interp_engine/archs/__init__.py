@@ -7,17 +7,21 @@ family. A family that is not listed raises an error naming the ones that are.
 
 The tables live in ``dense.py``, ``moe.py`` and ``streams.py`` (built from the records in
 ``base.py``); :data:`FAMILIES` lists them explicitly, so importing this package does no work.
-A vLLM backend reads the same tables, with its own module names where vLLM's layers differ
-(``vllm_sites.py``).
+Each family's ``Arch`` also holds the vLLM backend's reads (``Arch.vllm``, built in
+``vllm_reads.py``): vLLM's layers fuse the residual add, so most of its reads differ. A family
+whose layers have Llama's module names is served on both backends by one ``model_type`` entry.
 """
 
 from __future__ import annotations
 
-from ..address import ModelInfo
+from ..address import SITES, ModelInfo
 from . import dense, moe, streams
 from .base import LAYOUTS as LAYOUTS
+from .base import LOGITS as LOGITS
 from .base import Arch as Arch
+from .base import Group as Group
 from .base import Hook as Hook
+from .base import group_sites as group_sites
 from .moe import moe_layers
 
 #: every supported family, in the order ``arch_for`` looks a model type up
@@ -31,6 +35,28 @@ def arch_for(config) -> Arch:
             return arch
     known = sorted(t for a in FAMILIES for t in a.model_types)
     raise ValueError(f"model_type {model_type!r} is not supported yet; supported: {', '.join(known)}")
+
+
+def vllm_sites(family: str) -> dict[str, Hook]:
+    """The vLLM backend's reads for ``family`` (an error naming the served families if none)."""
+    arch = next((a for a in FAMILIES if a.family == family), None)
+    if arch is None or not arch.vllm:
+        served = [a.family for a in FAMILIES if a.vllm]
+        raise ValueError(
+            f"the vLLM backend has no site table for family {family!r}; known: {', '.join(served)}. "
+            f"Use backend='eager', or add vllm= reads to the family's Arch in interp_engine/archs/"
+        )
+    return arch.vllm
+
+
+#: sites read under another site's hook on a single-stream model
+SAME_AS = {"resid_streams": "resid_post"}
+
+
+def unserved_sites(table: dict[str, Hook]) -> frozenset[str]:
+    """The per-layer sites a backend whose reads are ``table`` cannot serve (the one rule for
+    every backend; a backend adds what it finds unreadable at run time)."""
+    return frozenset(s for s in SITES if s != LOGITS and s not in table and SAME_AS.get(s) not in table)
 
 
 def model_info(config, name: str) -> ModelInfo:

@@ -5,6 +5,7 @@ supported on both backends by adding its ``model_type`` to the Llama row."""
 
 from __future__ import annotations
 
+from . import vllm_reads
 from .base import Arch, Hook
 
 ATTENTION = {name: Hook("self_attn", "attention") for name in ("q", "k", "v", "pattern")}
@@ -31,6 +32,6 @@ GEMMA2_SITES = {
 }
 
 ARCHS = (
-    Arch("llama", ("llama", "mistral", "qwen2", "qwen3", "phi3"), LLAMA_SITES),
-    Arch("gemma2", ("gemma2",), GEMMA2_SITES),
+    Arch("llama", ("llama", "mistral", "qwen2", "qwen3", "phi3"), LLAMA_SITES, vllm=vllm_reads.LLAMA),
+    Arch("gemma2", ("gemma2",), GEMMA2_SITES, vllm=vllm_reads.GEMMA2),
 )

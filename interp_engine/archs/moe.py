@@ -14,6 +14,7 @@ keep a dense MLP, where ``mlp_post`` is served and the MoE sites are not.
 
 from __future__ import annotations
 
+from . import vllm_reads
 from .base import Arch, Hook
 from .dense import LLAMA_SITES
 
@@ -29,9 +30,9 @@ MOE_LAYER_TYPES = ("moe", "hash_moe", "sparse")
 
 ARCHS = (
     # Qwen3-MoE, OLMoE and Mixtral keep Llama's layer layout, with ``mlp`` a sparse MoE block.
-    Arch("qwen3_moe", ("qwen3_moe",), {**LLAMA_SITES, **ROUTER_SITES}),
-    Arch("olmoe", ("olmoe",), {**LLAMA_SITES, **ROUTER_SITES}),
-    Arch("mixtral", ("mixtral",), {**LLAMA_SITES, **ROUTER_SITES}),
+    Arch("qwen3_moe", ("qwen3_moe",), {**LLAMA_SITES, **ROUTER_SITES}, vllm=vllm_reads.moe("mlp")),
+    Arch("olmoe", ("olmoe",), {**LLAMA_SITES, **ROUTER_SITES}, vllm=vllm_reads.moe("mlp")),
+    Arch("mixtral", ("mixtral",), {**LLAMA_SITES, **ROUTER_SITES}, vllm=vllm_reads.moe("block_sparse_moe")),
 )
 
 

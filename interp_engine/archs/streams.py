@@ -17,6 +17,7 @@ with the list of what is served.
 
 from __future__ import annotations
 
+from . import vllm_reads
 from .base import Arch, Hook
 from .dense import ATTENTION
 from .moe import ROUTER_SITES
@@ -51,5 +52,6 @@ ARCHS = (
     Arch("deepseek_v4", ("deepseek_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("hy_v4", ("hy_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("qwen4_exp", ("qwen4_exp_text",), _QWEN4_EXP_SITES, streams_config="hc_count"),
-    Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs"),
+    Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs",
+         vllm=vllm_reads.GEMMA3N),
 )

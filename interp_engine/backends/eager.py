@@ -14,7 +14,7 @@ import threading
 import torch
 
 from ..address import Address
-from ..archs import arch_for, model_info
+from ..archs import arch_for, model_info, unserved_sites
 from ..cache import Cache
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import held_positions
@@ -42,6 +42,7 @@ class EagerModel(CaptureModel):
         self.dtype = str(hf_model.dtype).removeprefix("torch.")
         self.arch = arch_for(hf_model.config)
         self.info = model_info(hf_model.config, name)
+        self.unserved = unserved_sites(self.arch.sites)
         self.tok = Tokenizer(hf_tokenizer)
         self.requires_grad = requires_grad
         self.hf.requires_grad_(requires_grad)

@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from ..address import Address, ModelInfo
-from ..archs import Arch
+from ..archs import Arch, group_sites
 from ..edits import Planned, edit_activation
 from ..positions import Selection, gather_positions
 from . import attention
+from .attention_edits import AttentionEditor
+from .heads import split_heads
 
 
 class StopForward(Exception):
@@ -126,25 +128,17 @@ class Recorder:
         return self._index[1]
 
     def _install(self) -> None:
-        by_module: dict[tuple[int, str, str], list[Address]] = defaultdict(list)
-        self._hooks = {}
-        for address in self.addresses:
-            if address.layer is None:
-                continue
-            hook = self.arch.sites.get(address.name)
-            if hook is None:
-                raise ValueError(f"[Internal] the {self.arch.family} table has no entry for {address.name!r}")
-            by_module[(address.layer, hook.module, hook.kind)].append(address)
-            self._hooks[address] = hook
+        by_module = group_sites(self.addresses, self.arch.sites)
+        self._hooks = {a: self.arch.sites[a.name] for a in self.addresses if a.layer is not None}
         for address in self.edits:
             hook = self._write_hook(address)
-            key = (address.layer, hook.module, hook.kind)
+            key = (address.layer, hook.module, hook.phase)
             by_module.setdefault(key, [])
             self._edit_at[key].append(address)
             if address.name == "resid_mid":
                 pre = self.arch.sites["resid_pre"]
-                self._stash[(address.layer, pre.module, pre.kind)] = address.layer
-                by_module.setdefault((address.layer, pre.module, pre.kind), [])
+                self._stash[(address.layer, pre.module, pre.phase)] = address.layer
+                by_module.setdefault((address.layer, pre.module, pre.phase), [])
 
         for key, addresses in by_module.items():
             layer, path, kind = key
@@ -155,7 +149,7 @@ class Recorder:
                 if addresses:
                     self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
                 if self._edit_at.get(key):
-                    self._stack.enter_context(attention.editing(module, _AttentionEditor(self, self._edit_at[key])))
+                    self._stack.enter_context(attention.editing(module, AttentionEditor(self, self._edit_at[key])))
             elif kind == "in":
                 handle = module.register_forward_pre_hook(self._input_hook(key, addresses), with_kwargs=True)
                 self._stack.callback(handle.remove)
@@ -186,9 +180,7 @@ class Recorder:
         hook = self._hooks.get(address)
         if hook is not None and hook.layout:
             tensor = _LAYOUTS[hook.layout](tensor, self._batch, address.stream, self.info.n_streams)
-        if address.name == "z":
-            return tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
-        return tensor
+        return split_heads(address.name, tensor, self.info)
 
     def _edit(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` after the edits applied at hook ``key`` (the same tensor when there are none)."""
@@ -198,7 +190,7 @@ class Recorder:
                 pre = self._resid_pre[address.layer]
                 tensor = edit_activation(planned, pre + tensor, self.start) - pre
             elif address.name == "z":
-                heads = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
+                heads = split_heads(address.name, tensor, self.info)
                 tensor = edit_activation(planned, heads, self.start).flatten(-2)
             elif address.name == "resid_streams":
                 tensor = self._edit_stream(planned, tensor)
@@ -283,39 +275,3 @@ class Recorder:
             else:
                 out[address] = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
         return out
-
-
-class _AttentionEditor:
-    """Edits of q / k / v (``[b, heads, pos, d_head]`` as attention takes them) and of the
-    pattern of one attention module. The cache update runs before attention, so the keys and
-    values given here are the KV cache's own tensors, holding every past position: this step's
-    are edited in place, so later steps attend to the edited ones (earlier steps were edited when
-    they were computed)."""
-
-    def __init__(self, recorder: Recorder, addresses: list[Address]):
-        self.recorder = recorder
-        self.planned = {a.name: recorder.edits[a] for a in addresses}
-
-    def _edit(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return edit_activation(self.planned[name], tensor.transpose(1, 2), self.recorder.start).transpose(1, 2)
-
-    def inputs(self, query, key, value):
-        q_len = query.shape[2]
-        if "q" in self.planned:
-            query = self._edit("q", query)
-        out = {"k": key, "v": value}
-        for name in ("k", "v"):
-            if name not in self.planned:
-                continue
-            tensor = out[name]
-            step = self._edit(name, tensor[:, :, -q_len:])
-            if torch.is_grad_enabled():  # no KV cache is kept with gradients (run_with_cache)
-                out[name] = step if tensor.shape[2] == q_len else torch.cat([tensor[:, :, :-q_len], step], dim=2)
-            else:
-                tensor[:, :, -q_len:] = step  # the KV cache's own tensor: later steps see the edit
-        return query, out["k"], out["v"]
-
-    def weights(self, weights):
-        if "pattern" not in self.planned:
-            return None
-        return self._edit("pattern", weights)

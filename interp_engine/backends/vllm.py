@@ -23,21 +23,17 @@ import weakref
 
 import torch
 
-from ..address import SITES, Address
-from ..archs import arch_for, model_info
-from ..archs.vllm_sites import LOGITS, vllm_sites
+from ..address import Address
+from ..archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
 from ..cache import Cache
 from ..edits import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
 from ..tokens import InputError, Tokenizer
 from ..unembedding import FetchedUnembedding, UnembedWeights
+from .heads import split_heads
 from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
 from .vllm_loop import EngineLoop, Finished, Job, run_on_loop
-
-#: sites read under another name on a single-stream model
-_SAME_AS = {"resid_streams": "resid_post"}
-
 
 def _sampling_params(options: Sampling | None):
     from vllm import SamplingParams
@@ -70,12 +66,12 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self.tok = Tokenizer(hf_tokenizer)
         self.max_model_len = max_model_len
         self.tensor_parallel_size = tensor_parallel_size
-        self.unserved = frozenset(s for s in SITES if s not in self.sites and s not in (LOGITS, *_SAME_AS))
+        self.unserved = unserved_sites(self.sites)
         self._weights: dict[int, torch.Tensor] = {}
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
         try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
-            if any(read.phase == "call" for read in self.sites.values()):
+            if any(read.phase == "select" for read in self.sites.values()):
                 self.unserved |= frozenset(run_on_loop(self._loop, "interp_unreadable_sites")[0])
             self._check_geometry()
         except BaseException:
@@ -110,12 +106,6 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
         weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
         return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)
-
-    def engine_state(self) -> list[dict]:
-        """Per rank: ``pending`` requests, ``hooks`` installed now, ``max_batch`` (most captures
-        seen in one forward), ``bytes_returned`` (the rows handed to this process so far). An idle
-        engine holds no requests and no hooks."""
-        return run_on_loop(self._loop, "interp_state")
 
     def position_limit(self) -> tuple[int, str]:
         return self.max_model_len, f"this engine's max_model_len={self.max_model_len}"
@@ -179,8 +169,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         return Cache(tensors, fed, None, self.name, self.backend, None if positions is None else held)
 
     def _read_as(self, address: Address) -> Address:
-        if address.name in _SAME_AS and address.name not in self.sites:
-            return Address(_SAME_AS[address.name], address.layer)
+        if address.name in SAME_AS and address.name not in self.sites:
+            return Address(SAME_AS[address.name], address.layer)
         return address
 
     def _holders(self, shard: str) -> list[int]:
@@ -206,11 +196,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                                    f"expected {wanted.tolist()} (missing {missing})")
             pieces.append(rows)
         tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
-        if address.name in ("z", "q"):
-            tensor = tensor.unflatten(-1, (self.info.n_heads, self.info.d_head))
-        elif address.name in ("k", "v"):
-            tensor = tensor.unflatten(-1, (self.info.n_kv_heads, self.info.d_head))
-        return tensor[None]
+        return split_heads(address.name, tensor, self.info)[None]
 
 
 def _ordinary(tensor: torch.Tensor) -> torch.Tensor:

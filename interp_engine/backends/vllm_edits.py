@@ -6,7 +6,7 @@ flat batch are which request's positions; an edit changes only the rows of the r
 carry it, at the positions they asked for, so requests without edits that share the batch run
 exactly as they would alone.
 
-Sites are found through the vLLM site table (:mod:`interp_engine.archs.vllm_sites`). Where a
+Sites are found through the vLLM site table (``Arch.vllm``, :mod:`interp_engine.archs.vllm_reads`). Where a
 site is the sum of several tensors (``resid_pre`` = ``hidden_states + residual``, ``resid_post``
 = ``out[0] + out[1]``: vLLM fuses the residual add into the next norm) the edit is written to the
 last part: ``last' = edited(sum) - others``, so the next fused add sees the edited residual and

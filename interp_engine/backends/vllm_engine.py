@@ -21,16 +21,14 @@ still runs out of memory is an error that names what to set (:class:`EngineMemor
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). With
 ``tensor_parallel_size > 1`` vLLM starts one worker process per rank; on a CPU with one NUMA
 node each rank needs its own cores, so ``VLLM_CPU_OMP_THREADS_BIND`` is set (``"0|1"`` style)
-unless the caller set it. Written against vLLM 0.32.0, which caches its environment variables
-once an engine starts (``vllm.envs.enable_envs_cache``); the cache is cleared before a new
-engine reads them. Several engines may serve in one process at once; stopping one leaves the
+unless the caller set it. vLLM caches its environment variables once an engine starts; the
+cache is cleared before a new engine reads them (:mod:`.vllm_compat`). Several engines may serve in one process at once; stopping one leaves the
 others' shared distributed state in place (:func:`stop_engine`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import threading
 
@@ -153,15 +151,16 @@ def _thread_binding(tensor_parallel_size: int) -> str:
 
 @contextlib.contextmanager
 def _environment(tensor_parallel_size: int):
-    from vllm import envs
     from vllm.platforms import current_platform
+
+    from . import vllm_compat
 
     wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if tensor_parallel_size > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         wanted["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(tensor_parallel_size)
     previous = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
-    envs.disable_envs_cache()
+    vllm_compat.clear_env_cache()
     try:
         yield
     finally:
@@ -202,27 +201,15 @@ def start_engine(options: dict):
 def stop_engine(llm) -> None:
     """Shut the engine core and its worker processes down.
 
-    vLLM 0.32's ``EngineCore.shutdown`` ends by tearing down the process-wide distributed state
-    (``cleanup_dist_env_and_memory``), which any other engine still serving in this process is
-    using. So while others are live this engine is shut down piece by piece as that method does
-    it, minus the teardown; the last engine to stop does the full shutdown.
+    Shutting an engine core down also tears down vLLM's process-wide distributed state, which
+    any other engine still serving in this process is using; so while others are live the
+    teardown is skipped, and the last engine to stop does the full shutdown.
     """
-    engine = getattr(llm, "llm_engine", None)
-    if engine is None:
+    if getattr(llm, "llm_engine", None) is None:
         return
+    from . import vllm_compat
+
     with _LIVE_LOCK:
         _LIVE.discard(id(llm))
         others = bool(_LIVE)
-    client = engine.engine_core  # InprocClient: the engine core runs in this process
-    if not others:
-        client.shutdown()
-        return
-    if client._finalizer.detach() is None:  # already shut down
-        return
-    core = client.engine_core
-    core.structured_output_manager.clear_backend()
-    if core.model_executor:
-        core.model_executor.shutdown()
-    if core.scheduler:
-        core.scheduler.shutdown()
-    gc.unfreeze()
+    vllm_compat.shutdown_engine(llm, keep_distributed=others)

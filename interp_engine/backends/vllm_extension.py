@@ -6,27 +6,26 @@ tensor parallelism). Only method names and plain data (dicts, lists, strings, te
 the process boundary, so no callable is ever pickled and vLLM's insecure-serialization switch
 stays off. All names start with ``interp_`` so they cannot clash with the worker's own.
 
-Written against vLLM 0.32.0 (``WorkerWrapperBase`` applies ``worker_extension_cls``; the
-worker holds ``model_runner``).
+vLLM's private structure (the worker's model runner, attention geometry, repacked weights) is
+reached through :mod:`.vllm_compat` only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .vllm_hooks import Recorder
+from . import vllm_compat
+from .vllm_hooks import WorkerRecorder
 
 
 class CaptureExtension:
-    """Mixed into the vLLM worker: a :class:`Recorder` per worker, and weight reads."""
+    """Mixed into the vLLM worker: a :class:`WorkerRecorder` per worker, and weight reads."""
 
-    def _interp_recorder(self) -> Recorder:
+    def _interp_recorder(self) -> WorkerRecorder:
         recorder = getattr(self, "_interp_state", None)
         if recorder is None:
-            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-            recorder = Recorder(self.model_runner, tp_rank=get_tensor_model_parallel_rank(),
-                                tp_size=get_tensor_model_parallel_world_size())
+            rank, size = vllm_compat.tensor_parallel()
+            recorder = WorkerRecorder(vllm_compat.worker_runner(self), tp_rank=rank, tp_size=size)
             self._interp_state = recorder
         return recorder
 
@@ -44,9 +43,9 @@ class CaptureExtension:
         idle engine has none), the most registered requests seen in one forward, and the bytes of
         every row handed back to the driver so far."""
         recorder = self._interp_recorder()
-        return {"pending": sorted(recorder.wanted), "hooks": len(recorder._handles),
+        return {"pending": sorted(recorder.requests.wanted), "hooks": recorder.hooks_installed,
                 "edited": sorted(recorder.editor.edits),
-                "max_batch": recorder.max_batch, "bytes_returned": recorder.bytes_returned}
+                "max_batch": recorder.requests.max_batch, "bytes_returned": recorder.bytes_returned}
 
     def interp_unreadable_sites(self) -> list[str]:
         """Sites of the table this engine never computes in a readable form (see vllm_moe)."""
@@ -57,24 +56,12 @@ class CaptureExtension:
 
     def interp_geometry(self) -> dict:
         """Heads and head size as this rank's attention kernels run them."""
-        attn = self._interp_recorder().layers[0].get_submodule("self_attn.attn")
-        return {"heads": int(attn.num_heads), "kv_heads": int(attn.num_kv_heads), "head_size": int(attn.head_size)}
+        return vllm_compat.attention_geometry(self._interp_recorder().layers[0].get_submodule("self_attn.attn"))
 
     def interp_o_proj_weight(self, layer: int, path: str) -> torch.Tensor:
         """This rank's block of layer ``layer``'s attention output projection weight
-        ``[d_model, heads_on_this_rank * d_head]`` (``path`` is relative to the layer).
-
-        vLLM's CPU backend repacks linear weights for its GEMM kernels and leaves an empty
-        ``weight``; then the layer's own matmul is applied to the identity, which gives the
-        weight back exactly (each output is one weight times 1 plus zeros)."""
-        linear = self._interp_recorder().layers[layer].get_submodule(path)
-        weight = linear.weight
-        if weight.numel():
-            return weight.detach().to("cpu", copy=True)
-        width = linear.input_size_per_partition
-        with torch.inference_mode():
-            identity = torch.eye(width, dtype=linear.params_dtype)
-            return linear.quant_method.apply(linear, identity, bias=None).t().contiguous()
+        ``[d_model, heads_on_this_rank * d_head]`` (``path`` is relative to the layer)."""
+        return vllm_compat.linear_weight(self._interp_recorder().layers[layer].get_submodule(path))
 
     def interp_unembedding(self, norm_path: str, head_paths: list[str]) -> dict:
         """The final norm's state dict and this rank's vocabulary shard of the unembedding
@@ -92,9 +79,4 @@ class CaptureExtension:
                 continue
         if head is None:
             raise RuntimeError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
-        weight = head.weight
-        if not weight.numel():  # repacked for the CPU GEMM kernels: read it back through the layer
-            with torch.inference_mode():
-                identity = torch.eye(head.embedding_dim, dtype=head.params_dtype)
-                return {"norm": norm, "weight": head.quant_method.apply(head, identity).t().contiguous()}
-        return {"norm": norm, "weight": weight.detach().to("cpu", copy=True)}
+        return {"norm": norm, "weight": vllm_compat.embedding_weight(head)}

@@ -11,8 +11,8 @@ bookkeeping and ``collective_rpc`` never race.
 The thread starts with the intra-op thread count of the thread that built the engine. vLLM's
 CPU attention sizes its work split by the calling thread's OpenMP team when it builds the
 metadata and checks it again in the kernel; a fresh thread's team size changes at its first
-parallel torch op, so it is fixed up front (``torch._C.set_num_threads``: vLLM 0.32 replaces
-``torch.set_num_threads`` with a no-op in a process that hosts a CPU worker).
+parallel torch op, so it is fixed up front (:func:`.vllm_compat.pin_torch_threads`: vLLM
+replaces ``torch.set_num_threads`` with a no-op in a process that hosts a CPU worker).
 
 A job whose future is cancelled (an abandoned ``await``) is aborted in the engine. An engine
 failure fails every job in flight, and later calls, with the original error attached.
@@ -115,7 +115,9 @@ class EngineLoop:
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            torch._C.set_num_threads(self._threads)
+            from .vllm_compat import pin_torch_threads
+
+            pin_torch_threads(self._threads)
             while True:
                 if not self._admit(block=not self.engine.has_unfinished_requests()):
                     break

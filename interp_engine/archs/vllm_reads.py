@@ -1,0 +1,70 @@
+"""The vLLM backend's reads of the site tables, as data: what each family's ``Arch.vllm`` holds.
+
+vLLM's decoder layers differ from Hugging Face's in one way that matters here: the residual add
+is fused into the next norm. A layer is called as ``layer(positions, hidden_states, residual)``
+and returns ``(delta, residual)``, where ``delta`` is what the layer's last block adds and
+``residual`` is the stream before that add. So the residual stream is a *sum* of two tensors
+that vLLM never materialises; a :class:`~.base.Hook` names the ``parts`` to add.
+
+- ``resid_pre.L`` = layer input ``hidden_states + residual`` (layer 0 has ``residual=None``: its
+  input is the embedding, already scaled where the family scales it, e.g. Gemma 2).
+- ``resid_post.L`` = layer output ``out[0] + out[1]``; ``mlp_out.L`` = ``out[0]``.
+- ``resid_mid.L`` = the second output of the fused add-norm that follows attention.
+- ``z`` / ``mlp_post`` are inputs of the row-parallel output / down projections; under tensor
+  parallelism each rank holds a contiguous block of their last dimension (``shard``).
+- ``q`` / ``k`` / ``v`` are the arguments of vLLM's ``Attention`` module: after qk-norm and
+  rotary, before the score scaling, exactly as the kernel uses them (``kv`` for k / v, whose
+  heads may be replicated across ranks when there are fewer kv heads than ranks).
+
+Module paths and parameter names follow vLLM's Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / MoE
+model classes of the release :mod:`interp_engine.backends.vllm_compat` supports.
+"""
+
+from __future__ import annotations
+
+from .base import Hook
+
+LLAMA = {
+    "resid_pre": Hook("", "in", parts=("hidden_states", "residual")),
+    "attn_out": Hook("self_attn", "out", parts=(0,)),
+    "resid_mid": Hook("post_attention_layernorm", "out", parts=(1,)),
+    "mlp_out": Hook("", "out", parts=(0,)),
+    "resid_post": Hook("", "out", parts=(0, 1)),
+    "z": Hook("self_attn.o_proj", "in", parts=("input_",), shard="heads"),
+    "mlp_post": Hook("mlp.down_proj", "in", parts=("input_",), shard="cols"),
+    "q": Hook("self_attn.attn", "in", parts=("query",), shard="heads"),
+    "k": Hook("self_attn.attn", "in", parts=("key",), shard="kv"),
+    "v": Hook("self_attn.attn", "in", parts=("value",), shard="kv"),
+}
+
+#: Gemma 2 normalises each block's output before the add (post-attention / post-feedforward norms).
+GEMMA2 = {
+    **LLAMA,
+    "attn_out": Hook("post_attention_layernorm", "out", parts=(0,)),
+    "resid_mid": Hook("pre_feedforward_layernorm", "out", parts=(1,)),
+}
+
+
+def moe(block: str) -> dict[str, Hook]:
+    """MoE families with Llama's layout and their MoE block at ``block``: the gate (replicated
+    on every rank) returns ``(router_logits, bias)`` over the flat tokens; the experts' runner
+    selects ``(topk_weights, topk_ids)``, the pair the expert kernel is given (a ``"select"``
+    read, see :mod:`interp_engine.backends.vllm_moe` and docs/MOE.md)."""
+    return {
+        **LLAMA,
+        "router_logits": Hook(f"{block}.gate", "out", parts=(0,)),
+        "expert_weights": Hook(f"{block}.experts", "select", parts=(0,)),
+        "expert_indices": Hook(f"{block}.experts", "select", parts=(1,)),
+    }
+
+
+#: Gemma 3n (AltUp): a layer returns its ``altup_num_inputs`` streams stacked first,
+#: ``[stream, tokens, d_model]``; the blocks' outputs are normed as in Gemma 2. The single-stream
+#: residual sites are refused on multi-stream models (docs/MOE.md).
+GEMMA3N = {
+    "attn_out": Hook("post_attention_layernorm", "out", parts=(0,)),
+    "mlp_out": Hook("post_feedforward_layernorm", "out", parts=(0,)),
+    # k / v are left out: vLLM's KV-shared layers call attention with no keys or values.
+    **{name: LLAMA[name] for name in ("z", "mlp_post", "q")},
+    "resid_streams": Hook("", "out", parts=(0,), layout="s (b p) d"),
+}

@@ -57,3 +57,9 @@ def ratio(times: Times, name: str, base: str) -> float:
 def paired(times: Times, name: str, base: str) -> float:
     """Median of the per-repetition ratios."""
     return median(t / b for t, b in zip(times[name], times[base]))
+
+
+def fastest(times: Times, name: str, base: str) -> float:
+    """Ratio of the minimums: other processes only ever add time, so on a busy machine the
+    fastest repetition of each variant is the one least disturbed."""
+    return min(times[name]) / min(times[base])

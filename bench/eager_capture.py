@@ -25,11 +25,9 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 
 import torch
+from timing import alternate, median, paired, ratio  # bench/timing.py, beside this file
 
 from interp_engine import Address, load_model, run_with_cache
 from interp_engine.backends import attention
@@ -63,15 +61,6 @@ def variants(model, ids):
     }
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = fn()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    del out
-    return wall, cpu
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions of every variant")
@@ -94,36 +83,20 @@ def main(argv=None) -> None:
     print(f"{model.name}: batch {args.batch} x {args.seq} tokens, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.reps} reps (+{args.warmup} warm-up)")
 
-    order = list(runs)
-    rng = random.Random(0)
-    wall: dict[str, list[float]] = {k: [] for k in runs}
-    cpu: dict[str, list[float]] = {k: [] for k in runs}
-    for rep in range(args.warmup + args.reps):
-        rng.shuffle(order)
-        row = {name: timed(runs[name]) for name in order}
-        if rep >= args.warmup:
-            for name, (w, c) in row.items():
-                wall[name].append(w)
-                cpu[name].append(c)
-        print(f"  rep {rep}{' (warm-up)' if rep < args.warmup else ''} wall/cpu s: "
-              + " ".join(f"{k}={row[k][0]:.2f}/{row[k][1]:.2f}" for k in runs), flush=True)
+    wall, cpu = alternate(runs, args.reps, args.warmup)
     report(wall, cpu)
 
 
-def report(wall: dict[str, list[float]], cpu: dict[str, list[float]]) -> None:
+def report(wall, cpu) -> None:
     targets = {"resid_post": "<= 1.03x", "dense": "<= 1.10x"}
-    med = statistics.median
-
-    def paired(times, name, base="plain"):
-        return med(t / b for t, b in zip(times[name], times[base]))
 
     print("\nratios to `plain`: ratio of medians / median of paired (same-repetition) ratios")
     print("| variant | wall median s | wall ratio | wall paired | CPU median s | CPU ratio | CPU paired | target |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in wall:
-        print(f"| {name} | {med(wall[name]):.3f} | {med(wall[name]) / med(wall['plain']):.3f}x "
-              f"| {paired(wall, name):.3f}x | {med(cpu[name]):.3f} | {med(cpu[name]) / med(cpu['plain']):.3f}x "
-              f"| {paired(cpu, name):.3f}x | {targets.get(name, '')} |")
+        print(f"| {name} | {median(wall[name]):.3f} | {ratio(wall, name, 'plain'):.3f}x "
+              f"| {paired(wall, name, 'plain'):.3f}x | {median(cpu[name]):.3f} | {ratio(cpu, name, 'plain'):.3f}x "
+              f"| {paired(cpu, name, 'plain'):.3f}x | {targets.get(name, '')} |")
     for name, base in (("resid_post", "plain_last"), ("pattern", "plain_eager")):
         if name in wall and base in wall:
             print(f"{name} vs {base}: wall paired {paired(wall, name, base):.3f}x, "

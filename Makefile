@@ -37,6 +37,7 @@ bench: $(STAMP) $(PEERS)
 	$(PY) bench/eager_capture.py
 	$(PY) bench/peers.py --threads 1 --reps 15 --warmup 1
 	$(PY) bench/vllm_capture.py
+	$(PY) bench/vllm_scaling.py
 	$(PY) bench/cluster_dataset.py
 	$(PY) bench/positions_vllm.py
 	$(PY) bench/edits_vllm.py

@@ -119,12 +119,6 @@ class ReplicaCore:
     def ping(self) -> int:
         return os.getpid()
 
-    def peak_rss_mb(self) -> float:
-        """This replica process's peak resident memory (for the memory benchmark)."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     def close(self) -> None:
         self.model.close()
 

@@ -21,7 +21,8 @@ from .address import Address
 from .cache import Cache
 from .cluster_errors import ClusterError as ClusterError
 from .cluster_errors import ShardFailed as ShardFailed
-from .edits import to_plain
+from .dtypes import dtype_name
+from .edits_wire import to_plain
 from .model import CaptureModel, Completion, Sampling
 from .placement import check_capacity as check_capacity
 from .placement import connect as connect
@@ -66,7 +67,7 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
         device = "cuda" if backend == "eager" else None
     check_capacity(ray.nodes(), replicas, gpus_per_replica, cpus_per_replica)
     placement = place(replicas, gpus_per_replica, cpus_per_replica, startup_timeout)
-    spec = ReplicaSpec(str(name_or_path), backend, str(dtype).removeprefix("torch."), device,
+    spec = ReplicaSpec(str(name_or_path), backend, dtype_name(dtype), device,
                        tuple(sorted(backend_options.items())), torch_threads)
     actor = replica_actor()
     extra = {"runtime_env": {"env_vars": {k: str(v) for k, v in env_vars.items()}}} if env_vars else {}

@@ -30,6 +30,7 @@ from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, 
 from .dataset_store import Store
 from .dataset_uri import check_access
 from .positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
+from .protocol import WritesShards
 from .tokens import InputError
 
 _SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
@@ -179,8 +180,9 @@ def build_dataset(
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
     addresses = check_points(points, model.info, model.backend, model.unserved)
-    if layout == "token" and any(a.name == "pattern" for a in addresses):
-        raise InputError("'pattern' is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
+    wide = [a for a in addresses if len(a.position_axes) > 1]
+    if layout == "token" and wide:
+        raise InputError(f"{wide[0].name!r} is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
     selection = check_spec(positions)
     if selection == "generated":
         raise InputError("positions='generated' does not apply to datasets (they capture prompts only)")
@@ -256,7 +258,7 @@ def build_dataset(
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:
-    if hasattr(model, "write_shards"):  # a cluster model: replicas write the shards
+    if isinstance(model, WritesShards):  # a cluster model: replicas write the shards
         yield from model.write_shards(spec, source, done)
         return
     for index, texts in source.shards(spec.shard_size, done, spec.order()):

@@ -171,10 +171,6 @@ class CaptureModel:
             raise NotImplementedError(f"{type(self).__name__} knows no local folder to fingerprint")
         return {"model_dtype": self.dtype, "weights_sha256": weights_fingerprint(self.source)}
 
-    def o_proj_weight(self, layer: int) -> torch.Tensor:
-        """The attention output projection of ``layer``, ``[d_model, n_heads * d_head]``."""
-        raise NotImplementedError(f"the {self.backend} backend does not expose weights")
-
     # -- validation shared by all backends ------------------------------------------------------
     def check(self, tokens, points, *, single: bool | None = None,
               call: str = "run_with_cache") -> tuple[torch.Tensor, list[Address]]:

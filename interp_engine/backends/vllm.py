@@ -27,7 +27,7 @@ from ..address import SITES, Address
 from ..archs import arch_for, model_info
 from ..archs.vllm_sites import LOGITS, vllm_sites
 from ..cache import Cache
-from ..edits import wire as edit_wire
+from ..edits_wire import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
 from ..tokens import InputError, Tokenizer

@@ -27,6 +27,8 @@ class CaptureModel:
 
     Subclasses set ``info``, ``tok`` and ``backend`` and implement ``_run``, ``_generate`` and
     ``_capture``; this class validates what users pass in, so every backend gives the same errors.
+    The contract as a whole, and the optional capabilities (unembedding, o_proj weights, writing
+    dataset shards), is written down in :mod:`.protocol`.
     """
 
     backend: str = ""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from interp_engine.address import Address
 from interp_engine.cache import Cache
 from interp_engine.model import CaptureModel
-from interp_engine.tokens import PAD_ID
+from interp_engine.tokens import PAD_ID, unpad
 
 
 def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -25,16 +25,11 @@ def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def position_dims(address: Address) -> tuple[int, ...]:
-    """Which axes of a ``[batch, ...]`` tensor run over positions."""
-    return (2, 3) if address.name == "pattern" else (1,)
-
-
 def pad_positions(tensor: torch.Tensor, address: Address, width: int, held: int | None = None) -> torch.Tensor:
     """Zero-pad the position axes of ``tensor`` up to ``width`` (the query / selected axis up to
     ``held`` where a selection of positions was captured)."""
     pad: list[int] = []
-    dims = position_dims(address)
+    dims = address.position_axes
     for dim in reversed(range(1, tensor.dim())):
         target = held if held is not None and dim == dims[0] else width
         pad += [0, target - tensor.shape[dim]] if dim in dims else [0, 0]
@@ -68,7 +63,7 @@ def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Addres
     so are the positions of ``edits``."""
     if model.batched or tokens.shape[0] == 1 and bool((tokens >= 0).all()):
         return model.run_with_cache(tokens, addresses, positions=positions, edits=edits)
-    rows = [row[row >= 0][None] for row in tokens]
+    rows = unpad(tokens)
     caches = [model.run_with_cache(row, addresses, positions=positions, edits=edits) for row in rows]
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)

@@ -21,6 +21,7 @@ import torch
 
 from interp_engine.address import parse_address
 from interp_engine.dataset_shard import ShardSpec, ShardStats
+from interp_engine.tokens import unpad
 
 from .batching import chunk_bounds, join_rows
 from .scheduler import ReplicaDied, Scheduler, Shard
@@ -78,7 +79,7 @@ class CoordinatorCore:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
         specs as given), which every replica resolves per row."""
         if not self.batched:
-            rows = [row[row >= 0][None] for row in tokens]
+            rows = unpad(tokens)
             return [Shard(i, (row, points, positions, edits)) for i, row in enumerate(rows)]
         bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
         return [Shard(i, (tokens[a:b], points, positions, edits)) for i, (a, b) in enumerate(bounds)]

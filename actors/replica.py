@@ -18,7 +18,7 @@ import torch
 
 from interp_engine.address import parse_address
 from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
-from interp_engine.edits import from_plain
+from interp_engine.edits_wire import from_plain
 from interp_engine.model import CaptureModel
 
 from .batching import run_padded
@@ -83,7 +83,7 @@ class ReplicaCore:
     def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> Captured:
         """Capture a padded batch (split per prompt where the backend takes one at a time).
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
-        are ever returned. ``edits``: plain data (:func:`interp_engine.edits.to_plain`)."""
+        are ever returned. ``edits``: plain data (:func:`interp_engine.edits_wire.to_plain`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
         captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
@@ -118,12 +118,6 @@ class ReplicaCore:
 
     def ping(self) -> int:
         return os.getpid()
-
-    def peak_rss_mb(self) -> float:
-        """This replica process's peak resident memory (for the memory benchmark)."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def close(self) -> None:
         self.model.close()

@@ -28,6 +28,8 @@ import time
 import uuid
 from pathlib import Path
 
+from rss import replicas_peak_rss_mb
+
 WORDS = "the of and a to in is was he for it with as his on be at by had are but from or have an they".split()
 
 
@@ -200,7 +202,7 @@ def rss_child(args) -> None:
     layer = model.n_layers // 2
     with tempfile.TemporaryDirectory() as tmp:
         timed_build(model, prompts(args.n), [f"resid_post.{layer}"], Path(tmp) / "d")
-    replica = ray.get(model._replicas[0].peak_rss_mb.remote())
+    replica = replicas_peak_rss_mb(model)[0]
     model.close()
     ray.shutdown()
     driver = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

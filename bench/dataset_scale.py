@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rss import replicas_peak_rss_mb
+
 WORDS = "the of and a to in is was he for it with as his on be at by had are but from or have an they".split()
 
 
@@ -49,7 +51,7 @@ def child(args) -> None:
     ds = build_dataset(model, prompts(args.n), points, args.out, layout="token", dtype=args.dtype,
                        shard_size=args.shard_size, progress=False)
     seconds = time.perf_counter() - start
-    replica_mb = max(ray.get([r.peak_rss_mb.remote() for r in model._replicas]))
+    replica_mb = max(replicas_peak_rss_mb(model))
     d_model = model.info.d_model
     model.close()
     written = sum(rec["bytes"] for rec in ds.manifest["shards"].values())

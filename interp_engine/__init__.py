@@ -43,6 +43,10 @@ from .model import CaptureModel as CaptureModel
 from .model import Completion as Completion
 from .model import capture_generation as capture_generation
 from .model import run_with_cache as run_with_cache
+from .protocol import CaptureBackend as CaptureBackend
+from .protocol import HasOProj as HasOProj
+from .protocol import HasUnembedding as HasUnembedding
+from .protocol import WritesShards as WritesShards
 from .moe import RoutingError as RoutingError
 from .moe import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID

@@ -15,55 +15,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Union
 
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """What one address name means: its shape, and the coordinates it takes."""
-
-    name: str
-    shape: str
-    meaning: str
-    per_layer: bool = True
-    per_stream: bool = False
-    moe: bool = False
-    eager_only: bool = False
-    #: only defined where the residual is one stream (see docs/MOE.md)
-    single_stream: bool = False
-    #: only defined on layers with a dense MLP (not on MoE layers)
-    dense_mlp: bool = False
-    #: what to do instead where a backend cannot serve the site ({L}: the layer)
-    fallback: str = ""
-
-
-_SELECTION = (
-    "this engine forms the expert selection inside a fused kernel and exposes no call that carries it, "
-    "so it cannot be read exactly here. Capture 'router_logits.{L}' and derive the assignment with "
-    "expert_assignment(cache, {L}, n_experts, top_k=..., renormalize=...) (a re-derivation; see docs/MOE.md), "
-    "or load the model with backend='eager' to capture the selection itself"
-)
-
-SITES: dict[str, Site] = {
-    s.name: s
-    for s in [
-        Site("resid_pre", "[b, p, d_model]", "residual stream entering the layer", single_stream=True),
-        Site("attn_out", "[b, p, d_model]", "what the attention block adds to the residual"),
-        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out", single_stream=True),
-        Site("mlp_out", "[b, p, d_model]", "what the MLP / MoE block adds to the residual"),
-        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer",
-             single_stream=True),
-        Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection"),
-        Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)"),
-        Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)"),
-        Site("v", "[b, p, n_kv_heads, d_head]", "values"),
-        Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", eager_only=True),
-        Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),
-        Site("router_logits", "[b, p, n_experts]", "MoE gate output", moe=True),
-        Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True, fallback=_SELECTION),
-        Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True, fallback=_SELECTION),
-        Site("resid_streams", "[b, p, d_model]", "stream S of the residual after the layer", per_stream=True),
-        Site("logits", "[b, p, vocab]", "final logits", per_layer=False),
-    ]
-}
+from .sites import SITES as SITES
+from .sites import Site as Site
 
 
 class AddressError(ValueError):
@@ -98,6 +51,17 @@ class Address:
 
     def __str__(self) -> str:
         return format_address(self)
+
+    @property
+    def position_axes(self) -> tuple[int, ...]:
+        """The axes of this address's ``[batch, ...]`` tensor that run over positions, the query
+        (or only) axis first: ``(1,)``, or ``(2, 3)`` for ``pattern`` ``[b, heads, q, k]``."""
+        return SITES[self.name].position_axes
+
+    @property
+    def query_axis(self) -> int:
+        """The axis that runs over the positions a token's row is read at (``positions=`` selects on it)."""
+        return SITES[self.name].position_axes[0]
 
 
 AddressLike = Union[Address, str, tuple]

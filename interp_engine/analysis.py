@@ -12,6 +12,7 @@ import torch
 
 from .address import Address
 from .cache import Cache
+from .protocol import HasOProj, HasUnembedding, require
 
 
 def head_contributions(model, cache: Cache, layer: int) -> torch.Tensor:
@@ -21,6 +22,8 @@ def head_contributions(model, cache: Cache, layer: int) -> torch.Tensor:
     projection's bias, if any) it is the output projection's output. This is ``n_heads`` times
     the size of ``z``, so it is computed on demand rather than captured.
     """
+    require(model, HasOProj, "head_contributions", "each layer's attention output projection (model.o_proj_weight)",
+            ("o_proj_weight",))
     z = cache.get("z", layer)  # [b, p, h, d_head]
     weight = model.o_proj_weight(layer)  # [d_model, h * d_head]
     w = weight.reshape(weight.shape[0], model.n_heads, model.d_head).to(z.dtype)
@@ -155,6 +158,9 @@ def logit_attribution(model, cache: Cache, tokens_or_directions, components: tor
     (the unembedding has no bias in the supported families). ``head_contributions(...)`` moved to
     the front (``.permute(2, 0, 1, 3)``) gives per-head attributions.
     """
+    require(model, HasUnembedding, "logit_attribution",
+            "the model's final norm and unembedding (model.final_norm and model.unembed_weight)",
+            ("final_norm", "unembed_weight"))
     n = _n_layers(cache, model)
     final = cache.get("resid_post", n - 1)
     if components is None:

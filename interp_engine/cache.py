@@ -132,7 +132,7 @@ class Cache(Mapping):
                                f"(it holds {sorted(columns)})")
             index[row, : len(wanted)] = torch.tensor([columns[p] for p in wanted], dtype=torch.long)
         new_positions = torch.where(index >= 0, held.gather(1, index.clamp(min=0)), torch.full((), -1))
-        data = {a: gather_positions(t, index, pattern=a.name == "pattern") for a, t in self._data.items()}
+        data = {a: gather_positions(t, index, axis=a.query_axis) for a, t in self._data.items()}
         return self._like(data, new_positions)
 
     def to_dict(self) -> dict[Address, torch.Tensor]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import tempfile
 from pathlib import Path
 
@@ -22,72 +21,14 @@ from .address import Address
 from .cache import Cache
 from .cluster_errors import ClusterError as ClusterError
 from .cluster_errors import ShardFailed as ShardFailed
-from .edits import to_plain
+from .dtypes import dtype_name
+from .edits_wire import to_plain
 from .model import CaptureModel, Completion, Sampling
+from .placement import check_capacity as check_capacity
+from .placement import connect as connect
+from .placement import here, place, release
 from .tokens import InputError, Tokenizer
 from .unembedding import FetchedUnembedding, UnembedWeights
-
-
-def connect() -> None:
-    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
-
-
-def check_capacity(nodes: list[dict], replicas: int, gpus: float, cpus: float) -> None:
-    """Raise a :class:`ClusterError` unless ``replicas`` replicas of ``gpus`` GPUs (on one node)
-    and ``cpus`` CPUs each fit on ``nodes`` (``ray.nodes()`` entries)."""
-    alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
-    have = [n.get("Resources", {}) for n in alive]
-    per_node_gpu = [r.get("GPU", 0) for r in have]
-    shown = ", ".join(f"node {i}: {r.get('GPU', 0):g} GPU / {r.get('CPU', 0):g} CPU" for i, r in enumerate(have)) or "none"
-    if gpus and max(per_node_gpu, default=0) < gpus:
-        raise ClusterError(
-            f"each replica needs {gpus:g} GPUs on one node (tensor_parallel_size), but no node has that many "
-            f"({shown}). Lower tensor_parallel_size / gpus_per_replica, or add a node with {gpus:g} GPUs."
-        )
-    fits = sum(int(g // gpus) for g in per_node_gpu) if gpus else replicas
-    if cpus:
-        fits = min(fits, sum(int(r.get("CPU", 0) // cpus) for r in have))
-    if fits < replicas:
-        raise ClusterError(
-            f"{replicas} replicas of {gpus:g} GPU and {cpus:g} CPU each do not fit this cluster ({shown}): "
-            f"at most {fits} fit. Use replicas={max(fits, 1)}, lower cpus_per_replica/gpus_per_replica, or add nodes."
-        )
-
-
-@dataclasses.dataclass
-class _Placement:
-    group: object | None
-    strategies: list
-
-
-def _place(replicas: int, gpus: float, cpus: float, timeout: float) -> _Placement:
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundle = {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v}
-    if not bundle:
-        return _Placement(None, ["SPREAD"] * replicas)
-    group = placement_group([dict(bundle) for _ in range(replicas)], strategy="SPREAD")
-    try:
-        ray.get(group.ready(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise ClusterError(
-            f"could not place {replicas} replicas of {bundle} within {timeout:g}s; the cluster has "
-            f"{ray.available_resources()} free. Free resources, lower replicas, or raise startup_timeout."
-        ) from None
-    return _Placement(group, [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-                              for i in range(replicas)])
 
 
 def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: int = 1, requires_grad: bool = False,
@@ -125,8 +66,8 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
     if device is None and gpus_per_replica:
         device = "cuda" if backend == "eager" else None
     check_capacity(ray.nodes(), replicas, gpus_per_replica, cpus_per_replica)
-    placement = _place(replicas, gpus_per_replica, cpus_per_replica, startup_timeout)
-    spec = ReplicaSpec(str(name_or_path), backend, str(dtype).removeprefix("torch."), device,
+    placement = place(replicas, gpus_per_replica, cpus_per_replica, startup_timeout)
+    spec = ReplicaSpec(str(name_or_path), backend, dtype_name(dtype), device,
                        tuple(sorted(backend_options.items())), torch_threads)
     actor = replica_actor()
     extra = {"runtime_env": {"env_vars": {k: str(v) for k, v in env_vars.items()}}} if env_vars else {}
@@ -142,19 +83,12 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
                 raise ClusterError(f"replica {i} failed to start {name_or_path!r} ({backend}): "
                                    f"{_cause(err)}") from None
     except BaseException:
-        _release(handles, None, placement)
+        release(handles, None, placement)
         raise
     names = {i: f.node for i, f in enumerate(facts)}
-    coordinator = coordinator_actor().options(scheduling_strategy=_here()).remote(
+    coordinator = coordinator_actor().options(scheduling_strategy=here()).remote(
         handles, facts[0].batched, max_in_flight_per_replica, names)
     return ClusterModel(facts, handles, coordinator, placement)
-
-
-def _here():
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
 
 
 @contextlib.contextmanager
@@ -173,24 +107,6 @@ def _cause(err) -> str:
     cause = getattr(err, "cause", None)
     text = str(cause if isinstance(cause, BaseException) else err)
     return text.strip().splitlines()[-1] if text.strip() else type(err).__name__
-
-
-def _release(handles, coordinator, placement) -> None:
-    import ray
-
-    for handle in [coordinator, *handles]:
-        if handle is not None:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:
-                pass
-    if placement is not None and placement.group is not None:
-        from ray.util.placement_group import remove_placement_group
-
-        try:
-            remove_placement_group(placement.group)
-        except Exception:
-            pass
 
 
 def _tokenizer(files: dict[str, bytes]):
@@ -338,16 +254,9 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         finally:
             self._coordinator.forget_build.remote(build_id)
 
-    def kill_replica(self, index: int, *, restart: bool = True) -> None:
-        """Kill replica ``index``'s process (fault drills). Its work moves to the others; with
-        ``restart`` (a crash) Ray starts it again and it gets work again, without it is gone."""
-        import ray
-
-        ray.kill(self._replicas[index], no_restart=not restart)
-
     def close(self) -> None:
         if self._coordinator is not None:
-            _release(self._replicas, self._coordinator, self._placement)
+            release(self._replicas, self._coordinator, self._placement)
             self._coordinator = None
 
 

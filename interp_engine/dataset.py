@@ -13,123 +13,25 @@ the provenance kept beside the shards.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from .address import check_points, format_address
-from .dataset_integrity import DatasetCorruptError, Expected, identity_json, verify_dataset, verify_existing
-from .dataset_manifest import (FORMAT, MANIFEST, prepare_output, read_manifest, tokenizer_fingerprint,
-                               write_manifest)
+from .dataset_integrity import Expected, identity_json, verify_existing
+from .dataset_manifest import FORMAT, prepare_output, tokenizer_fingerprint, write_manifest
 from .dataset_prompts import PromptSource
-from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, read_tensor, shard_name, write_shard
+from .dataset_result import ActivationDataset as ActivationDataset
+from .dataset_result import where
+from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, shard_name, write_shard
 from .dataset_store import Store
 from .dataset_uri import check_access
 from .positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
+from .protocol import WritesShards
 from .tokens import InputError
 
 _SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
-
-
-@dataclasses.dataclass(frozen=True)
-class ActivationDataset:
-    """A finished dataset: where it is, what it holds, and how it was built.
-
-    ``build_dataset`` returns one; :meth:`open` opens one written earlier (checking that every
-    shard is there with its recorded size); :meth:`verify` checks every shard's sha256.
-    """
-
-    path: "Path | str"  # a local Path, or the URI the dataset was written to
-    manifest: dict
-    rows: int
-    shards: int
-    prompts: int
-    tokens: int
-    seconds: float
-    resumed_shards: int = 0
-    repaired: tuple[str, ...] = ()  # shards a resume found bad and rewrote
-    store: Store | None = None
-
-    @classmethod
-    def open(cls, output, *, filesystem=None, verify: bool = False) -> "ActivationDataset":
-        """Open a finished dataset (local path, URI or ``(filesystem, path)``). Raises
-        :class:`DatasetCorruptError` if a shard is missing or has the wrong size (with
-        ``verify=True``: the wrong sha256)."""
-        store = Store.of(output, filesystem)
-        manifest = read_manifest(store)
-        if manifest is None:
-            raise FileNotFoundError(f"no dataset at {store.location()!r} (no {MANIFEST}); build one with build_dataset")
-        if manifest.get("status") != "complete":
-            raise DatasetCorruptError(f"the build at {store.location()!r} has not finished (status "
-                                      f"{manifest.get('status')!r}); rerun the same build_dataset call to finish it")
-        verify_dataset(store, manifest, full=verify)
-        result = manifest["result"]
-        return cls(_where(store), manifest, result["rows"], result["shards"], result["prompts"], result["tokens"],
-                   0.0, store=store)
-
-    @property
-    def _store(self) -> Store:
-        return self.store if self.store is not None else Store.of(self.path)
-
-    @property
-    def names(self) -> list[str]:
-        n = self.manifest["identity"]["n_shards"]
-        return [shard_name(i, n) for i in range(n)]
-
-    @property
-    def files(self) -> list:
-        """The shard files: local Paths, or URIs for a dataset on object storage."""
-        store = self._store
-        return [Path(store.key(n)) if store.is_local else store.location(n) for n in self.names]
-
-    def verify(self) -> None:
-        """Check every shard's size and sha256 against the manifest; raise
-        :class:`DatasetCorruptError` naming the shards that differ."""
-        verify_dataset(self._store, self.manifest, full=True)
-
-    def to_arrow(self):
-        store = self._store
-        return pq.read_table([store.key(n) for n in self.names], filesystem=store.fs)
-
-    def to_pandas(self):
-        return self.to_arrow().to_pandas()
-
-    def to_ray(self, *, num_cpus: float = 0, wait_s: float = 30.0):
-        """The dataset as a Ray Dataset, read lazily shard by shard (see :mod:`.dataset_ray`).
-
-        Read tasks reserve ``num_cpus`` CPUs each, 0 by default, so they run while model replicas
-        hold every CPU of the cluster; given more, a read that cannot get them within ``wait_s``
-        seconds raises a :class:`~interp_engine.ClusterError` saying what holds them."""
-        from .dataset_ray import to_ray
-
-        return to_ray(self, num_cpus=num_cpus, wait_s=wait_s)
-
-    def loader(self, point, batch_size: int, **options):
-        """A streaming torch ``IterableDataset`` of ``[batch_size, *shape]`` token rows of
-        ``point`` (shuffle buffer across sequences, DDP rank split; see :mod:`.dataset_loader`)."""
-        from .dataset_loader import ShardLoader
-
-        return ShardLoader(self, _point_name(point), batch_size, **options)
-
-    def export_saelens(self, out_dir, point, context_size: int, **options):
-        """Write ``point`` as a folder SAELens's ``ActivationsStore(cached_activations_path=...)``
-        loads (see :mod:`.dataset_export`); returns its path."""
-        from .dataset_export import export_saelens
-
-        return export_saelens(self, out_dir, _point_name(point), context_size, **options)
-
-    def tensor(self, point) -> "object":
-        """One point's column as a torch tensor ``[rows, ...]`` in its stored dtype."""
-        return read_tensor(self.to_arrow(), format_address(point) if not isinstance(point, str) else point)
-
-    def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds else float("nan")
-        return (f"{self.rows} rows in {self.shards} shards ({self.prompts} prompts, {self.tokens} tokens, "
-                f"{rate:.0f} tokens/s) at {self.path}")
 
 
 def build_dataset(
@@ -179,8 +81,9 @@ def build_dataset(
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
     addresses = check_points(points, model.info, model.backend, model.unserved)
-    if layout == "token" and any(a.name == "pattern" for a in addresses):
-        raise InputError("'pattern' is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
+    wide = [a for a in addresses if len(a.position_axes) > 1]
+    if layout == "token" and wide:
+        raise InputError(f"{wide[0].name!r} is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
     selection = check_spec(positions)
     if selection == "generated":
         raise InputError("positions='generated' does not apply to datasets (they capture prompts only)")
@@ -251,20 +154,16 @@ def build_dataset(
               "files": [shard_name(i, n_shards) for i in range(n_shards)]}
     manifest.update(status="complete", result=result)
     write_manifest(store, manifest)
-    return ActivationDataset(_where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
+    return ActivationDataset(where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
                              tuple(repaired), store)
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:
-    if hasattr(model, "write_shards"):  # a cluster model: replicas write the shards
+    if isinstance(model, WritesShards):  # a cluster model: replicas write the shards
         yield from model.write_shards(spec, source, done)
         return
     for index, texts in source.shards(spec.shard_size, done, spec.order()):
         yield write_shard(model, spec, index, texts)
-
-
-def _point_name(point) -> str:
-    return point if isinstance(point, str) else format_address(point)
 
 
 def _shard_prompts(scan, index: int, shard_size: int) -> int:
@@ -289,10 +188,6 @@ def _shard_rows(shard_tokens, scan, spec: ShardSpec, index: int) -> int:
     lengths = np.frombuffer(scan.lengths, dtype=np.int32)
     ids = spec.prompt_ids(index, _shard_prompts(scan, index, spec.shard_size))
     return sum(len(resolve_row(spec.positions, int(lengths[i]))) for i in ids)
-
-
-def _where(store: Store):
-    return Path(store.root) if store.is_local else store.location()
 
 
 def _progress(enabled: bool, scan, stats: list[ShardStats]):

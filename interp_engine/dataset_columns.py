@@ -29,7 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from .dtypes import DTYPES as DTYPES
+from .dtypes import as_bfloat16, dtype_name
+
 DTYPE_KEY = b"interp_engine.dtype"
 ADDRESS_KEY = b"interp_engine.address"
 SHAPE_KEY = b"interp_engine.shape"
@@ -39,7 +41,7 @@ def encode(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, str]:
     """A captured tensor as the numpy array to store, and the dtype it stands for."""
     tensor = tensor.detach().cpu()
     if not tensor.is_floating_point():
-        return tensor.numpy(), str(tensor.dtype).removeprefix("torch.")
+        return tensor.numpy(), dtype_name(tensor.dtype)
     tensor = tensor.to(DTYPES[dtype]).contiguous()
     if dtype == "bfloat16":
         return tensor.float().numpy(), dtype  # exact: bf16 -> f32 only appends zero bits
@@ -111,9 +113,7 @@ def read_tensor(table: pa.Table, name: str) -> torch.Tensor:
     field = table.schema.field(name)
     tensor = torch.from_numpy(np.array(to_numpy(table.column(name)), copy=True))
     if (field.metadata or {}).get(DTYPE_KEY) == b"bfloat16":
-        if tensor.dtype == torch.uint16 or tensor.dtype == torch.int16:  # format 1: the raw bit pattern
-            return tensor.view(torch.int16).view(torch.bfloat16)
-        return tensor.to(torch.bfloat16)
+        return as_bfloat16(tensor)  # format 1 stored the raw bit pattern, later formats the values
     return tensor
 
 

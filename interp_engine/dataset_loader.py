@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .dataset_columns import DTYPE_KEY, DTYPES, to_numpy
+from .dtypes import as_bfloat16
 from .tokens import InputError
 
 _READ_ROWS = 1024  # rows per record batch read from a shard
@@ -78,7 +79,7 @@ class ShardLoader(torch.utils.data.IterableDataset):
                         lengths = torch.from_numpy(batch.column("length").to_numpy().astype(np.int64))
                         mask = torch.arange(rows.shape[1])[None, :] < lengths[:, None]
                         rows = rows[mask]
-                    yield rows.to(torch.bfloat16) if bf16 else rows
+                    yield as_bfloat16(rows) if bf16 else rows
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         rng = torch.Generator().manual_seed(hash((self.seed, self.epoch, self.rank)) & 0x7FFFFFFF)

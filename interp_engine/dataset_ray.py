@@ -34,7 +34,7 @@ def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
 
         raise InputError(f"num_cpus must be a number >= 0 (CPUs reserved per read task), got {num_cpus!r}")
     if not ray.is_initialized():
-        from .cluster import connect
+        from .placement import connect
 
         connect()
     if num_cpus:

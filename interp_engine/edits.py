@@ -26,13 +26,12 @@ edited model, and a capture of the edited address itself returns the value after
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Union
 
 import torch
 
 from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
-from .positions import Selection, check_spec, resolve, spec_to_json
+from .positions import Selection, check_spec, resolve
 from .tokens import InputError
 
 
@@ -179,7 +178,7 @@ def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
     changes = {"heads": heads, "positions": positions}
     full = False
     if isinstance(edit, Add):
-        changes["vector"] = _fit(address, "vector", edit.vector, block, address.name == "pattern")
+        changes["vector"] = _fit(address, "vector", edit.vector, block)
         changes["scale"] = _number(address, "scale", edit.scale)
         if not isinstance(edit.norm_relative, bool):
             raise InputError(f"edit on {address}: norm_relative must be True or False, got {edit.norm_relative!r}")
@@ -190,13 +189,13 @@ def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
     elif isinstance(edit, Set):
         value = _tensor(address, "value", edit.value)
         whole = (tokens.shape[0], tokens.shape[1], *block)
-        if backend == "eager" and not generating and tuple(value.shape) == whole and address.name != "pattern":
+        if backend == "eager" and not generating and tuple(value.shape) == whole and address.query_axis == 1:
             if positions is not None or heads is not None:
                 raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value takes no "
                                  f"positions= or heads= (it sets every position it gives)")
             changes["value"], full = value, True
         else:
-            changes["value"] = _fit(address, "value", value, block, address.name == "pattern",
+            changes["value"] = _fit(address, "value", value, block,
                                     whole=whole if backend == "eager" and not generating else None)
     return Planned(address, dataclasses.replace(edit, **changes), selection, full)
 
@@ -238,12 +237,11 @@ def _tensor(address, name, value) -> torch.Tensor:
     return tensor.float().cpu()
 
 
-def _fit(address, name, value, block, pattern, whole=None) -> torch.Tensor:
+def _fit(address, name, value, block, whole=None) -> torch.Tensor:
     """``value`` as a tensor that broadcasts to one position's ``block``."""
     tensor = _tensor(address, name, value)
     shape = tuple(tensor.shape)
-    ok = len(shape) <= len(block) and all(s in (1, b) or (pattern and i == len(block) - 1 and s == 1)
-                                          for i, (s, b) in enumerate(zip(shape[::-1], block[::-1])))
+    ok = len(shape) <= len(block) and all(s in (1, b) for s, b in zip(shape[::-1], block[::-1]))
     if not ok:
         wanted = f"[{', '.join(map(str, block))}]"
         extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name == "value" else ""
@@ -311,86 +309,3 @@ def edit_activation(planned: Planned, tensor: torch.Tensor, start: int = 0) -> t
         return new
     mask = mask.reshape(*mask.shape, *([1] * (tensor.dim() - 2))).to(tensor.device)
     return torch.where(mask, new, tensor)
-
-
-def wire(planned: Planned, row: int = 0) -> dict:
-    """One planned edit as plain data for a vLLM worker (lists and numbers; no code)."""
-    edit = planned.edit
-    out: dict = {"kind": type(edit).__name__.lower(), "heads": list(edit.heads) if edit.heads else None}
-    digest = hashlib.blake2b(repr((out["kind"], out["heads"])).encode(), digest_size=16)
-    if isinstance(edit, Add):
-        out.update(vector=edit.vector.flatten().tolist(), shape=list(edit.vector.shape), scale=edit.scale,
-                   norm_relative=edit.norm_relative)
-        digest.update(repr((edit.scale, edit.norm_relative, out["shape"])).encode())
-        digest.update(edit.vector.contiguous().numpy().tobytes())
-    elif isinstance(edit, Scale):
-        out["factor"] = edit.factor
-        digest.update(repr(edit.factor).encode())
-    elif isinstance(edit, Set):
-        out.update(value=edit.value.flatten().tolist(), shape=list(edit.value.shape))
-        digest.update(repr(out["shape"]).encode())
-        digest.update(edit.value.contiguous().numpy().tobytes())
-    #: equal edits have equal digests (a worker applies them to all their rows at once)
-    out["digest"] = digest.hexdigest()
-    sel = planned.selection
-    out["positions"] = None if sel is None else list(sel.rows[row])
-    out["after"] = None if sel is None else sel.after[row]
-    return out
-
-
-def from_wire(data: dict) -> Edit:
-    """The edit :func:`wire` described (tensors float32, on the CPU)."""
-    heads = tuple(data["heads"]) if data.get("heads") else None
-    kind = data["kind"]
-    if kind == "add":
-        vector = torch.tensor(data["vector"], dtype=torch.float32).reshape(data["shape"])
-        return Add(vector, data["scale"], norm_relative=data["norm_relative"], heads=heads)
-    if kind == "scale":
-        return Scale(data["factor"], heads=heads)
-    if kind == "set":
-        return Set(torch.tensor(data["value"], dtype=torch.float32).reshape(data["shape"]), heads=heads)
-    if kind == "zero":
-        return Zero(heads=heads)
-    raise ValueError(f"[Internal] unknown edit kind {kind!r} on the wire")
-
-
-def to_plain(planned: dict[Address, Planned] | None) -> dict | None:
-    """Checked edits as plain data for a cluster replica: numbers, lists, numpy arrays, and the
-    positions spec as given (each replica resolves it against its own rows). No code."""
-    if not planned:
-        return None
-    out = {}
-    for address, p in planned.items():
-        if not isinstance(p.edit, EDITS):
-            raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
-                             f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
-        if p.full:
-            raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
-                             f"cluster replicas; give one position's value with positions=, or run locally")
-        data = wire(p)
-        for key in ("vector", "value"):
-            if key in data:
-                data[key] = getattr(p.edit, key).numpy()
-        data["positions"] = spec_to_json(p.edit.positions)
-        data.pop("after")
-        out[str(address)] = data
-    return out
-
-
-def from_plain(plain: dict | None) -> dict[str, Edit] | None:
-    """The edits :func:`to_plain` described, ready for ``edits=`` on the replica's model."""
-    if not plain:
-        return None
-    out = {}
-    for point, data in plain.items():
-        data = dict(data)
-        for key in ("vector", "value"):
-            if key in data:
-                data[key] = torch.from_numpy(data[key].copy()).flatten().tolist()
-        edit = from_wire({**data, "heads": data.get("heads")})
-        positions = data["positions"]
-        if isinstance(positions, dict):
-            positions = slice(*positions["slice"])
-        out[point] = dataclasses.replace(edit, positions=positions)
-    return out
-

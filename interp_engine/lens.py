@@ -20,6 +20,7 @@ import torch
 
 from .address import Address
 from .cache import Cache
+from .protocol import HasUnembedding, require
 
 
 class LensTop(NamedTuple):
@@ -50,13 +51,8 @@ def _lens_layers(cache: Cache, layers) -> list[int]:
 
 
 def _check_model(model) -> None:
-    missing = [name for name in ("final_norm", "unembed") if not callable(getattr(model, name, None))]
-    if missing:
-        raise TypeError(
-            f"logit_lens needs the model's final norm and unembedding (model.final_norm and model.unembed), "
-            f"and {type(model).__name__} has no {' or '.join(missing)}: pass the model that load_model(...) "
-            f"returned (every backend and cluster model has both)"
-        )
+    require(model, HasUnembedding, "logit_lens",
+            "the model's final norm and unembedding (model.final_norm and model.unembed)", ("final_norm", "unembed"))
 
 
 def logit_lens(model, cache: Cache, layers=None) -> torch.Tensor:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from . import embedded
+from .dtypes import to_dtype
 from .model import CaptureModel
 
 BACKENDS = ("eager", "vllm")
@@ -56,16 +55,6 @@ def _hub_cache() -> str | None:
     return None
 
 
-def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(table)} or a torch.dtype")
-    return table[dtype]
-
-
 def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool = False, dtype="float32",
                device: str | None = None, **backend_options) -> CaptureModel:
     """Load ``name_or_path`` on ``backend`` in this process (see :func:`interp_engine.load_model`)."""
@@ -78,7 +67,7 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
             raise ValueError("requires_grad=True is eager-only: vLLM computes no gradients. Use backend='eager'.")
         from .backends.vllm import load_vllm
 
-        model = load_vllm(path, name, dtype=_dtype(dtype), **backend_options)
+        model = load_vllm(path, name, dtype=to_dtype(dtype), **backend_options)
         model.source = path
         return model
     if backend_options:
@@ -87,7 +76,7 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
 
     from .backends.eager import EagerModel
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=to_dtype(dtype))
     if device:
         hf = hf.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -168,11 +168,12 @@ def held_positions(selection: Selection | None, lengths: list[int], total: list[
     return out
 
 
-def gather_positions(tensor: torch.Tensor, index: torch.Tensor, *, pattern: bool = False) -> torch.Tensor:
-    """``tensor[b, index[b, i], ...]`` for ``index`` ``[batch, k]`` (-1 entries give zeros).
-    ``pattern``: the query axis is dim 2 (``[b, heads, q, k]``)."""
-    if pattern:
-        return gather_positions(tensor.transpose(1, 2), index).transpose(1, 2)
+def gather_positions(tensor: torch.Tensor, index: torch.Tensor, *, axis: int = 1, pattern: bool = False) -> torch.Tensor:
+    """``tensor[b, index[b, i], ...]`` for ``index`` ``[batch, k]`` (-1 entries give zeros), the
+    positions on ``axis`` (an address's ``query_axis``; ``pattern=True`` is ``axis=2``)."""
+    axis = 2 if pattern else axis
+    if axis != 1:
+        return gather_positions(tensor.transpose(1, axis), index).transpose(1, axis)
     valid = index >= 0
     batch = torch.arange(tensor.shape[0], device=tensor.device)[:, None]
     picked = tensor[batch, index.clamp(min=0).to(tensor.device)]

@@ -32,9 +32,16 @@ def pad_batch(rows: list[list[int]] | list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def unpad(tokens: torch.Tensor) -> list[torch.Tensor]:
-    """The real token ids of each row of a padded batch."""
-    return [row[row >= 0] for row in tokens]
+def unpad(tokens):
+    """Each row of a padded batch (a tensor or a numpy array) as a one-prompt batch ``[1, len]``
+    of its real token ids: how a batch is split for a backend that takes one prompt per call."""
+    return [row[row >= 0][None] for row in tokens]
+
+
+def fed_tokens(prompt: torch.Tensor, generated: list[int]) -> torch.Tensor:
+    """The tokens a generation ran through the model, ``[1, len(prompt) + len(generated) - 1]``:
+    the prompt, then each generated token but the last (sampled, never fed back)."""
+    return torch.cat([prompt.cpu(), torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
 
 
 class Tokenizer:

@@ -18,6 +18,7 @@ from interp_engine.dataset_manifest import DatasetExistsError
 from interp_engine.dataset_prompts import PromptsError
 
 from .clusters import simulated_cluster
+from .faults import kill_replica
 from .oracles import assert_caches_near, row_chunks, torch_threads
 
 ray = pytest.importorskip("ray")
@@ -168,7 +169,7 @@ def test_killing_a_replica_mid_build_changes_nothing(cluster, tiny_path, eager_m
     def killer():
         while len(list(out.glob("part-*.parquet"))) < 3:
             time.sleep(0.01)
-        model.kill_replica(1, restart=False)  # gone for good: the other replica finishes alone
+        kill_replica(model, 1, restart=False)  # gone for good: the other replica finishes alone
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
@@ -249,7 +250,7 @@ def test_a_crashed_replica_is_restarted_and_the_build_ends_on_both(cluster, tmp_
     def killer():
         while len(list(out.glob("part-*.parquet"))) < 3:
             time.sleep(0.01)
-        model.kill_replica(1)  # a crash: Ray restarts the process (max_restarts=3)
+        kill_replica(model, 1)  # a crash: Ray restarts the process (max_restarts=3)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()

@@ -20,6 +20,7 @@ from interp_engine import ActivationDataset, build_dataset, load_model
 
 from . import s3server
 from .clusters import simulated_cluster
+from .faults import kill_replica
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_replica_killed_mid_build_into_s3(s3, cluster, tiny_path, eager_models, 
             deadline = time.monotonic() + 120
             while len(_shards(s3, "killed")) < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            model.kill_replica(1)
+            kill_replica(model, 1)
 
         thread = threading.Thread(target=killer, daemon=True)
         thread.start()

@@ -11,6 +11,7 @@ import torch
 from interp_engine import Add, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
 
 from .clusters import simulated_cluster, vllm_replica
+from .contract import assert_contract
 from .oracles import REL, assert_near
 
 ray = pytest.importorskip("ray")
@@ -24,6 +25,10 @@ def cluster_llama(tiny_path):
         model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
         yield model
         model.close()
+
+
+def test_an_eager_cluster_implements_the_contract(cluster_llama):
+    assert_contract(cluster_llama, writes_shards=True)
 
 
 def _edits(model):
@@ -77,6 +82,10 @@ def cluster_vllm(cluster_llama, tiny_path):
     pytest.importorskip("vllm")
     with vllm_replica(str(tiny_path("llama"))) as model:
         yield model
+
+
+def test_a_vllm_cluster_implements_the_contract(cluster_vllm):
+    assert_contract(cluster_vllm, writes_shards=True)
 
 
 def test_edits_on_a_vllm_replica_equal_local_eager(cluster_vllm, eager_models):

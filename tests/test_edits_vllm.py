@@ -11,6 +11,7 @@ import torch
 from interp_engine import (Add, Address, AddressError, InputError, Scale, Set, Zero, capture_generation,
                            parse_address, run_with_cache)
 
+from .contract import assert_contract
 from .oracles import REL, REL_SAME, assert_near
 from .probes import engine_state
 
@@ -27,6 +28,10 @@ def models(tiny_path, eager_models):
 
     with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128) as vllm_model:
         yield vllm_model, eager_models("llama")
+
+
+def test_a_vllm_model_implements_the_contract(models):
+    assert_contract(models[0], writes_shards=False)
 
 
 def _block(model, site):

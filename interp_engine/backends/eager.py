@@ -16,9 +16,10 @@ import torch
 from ..address import Address
 from ..archs import arch_for, model_info, unserved_sites
 from ..cache import Cache
+from ..dtypes import dtype_name
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import held_positions
-from ..tokens import InputError, Tokenizer
+from ..tokens import InputError, Tokenizer, fed_tokens
 from . import attention
 from .recorder import Recorder, StopForward
 from .sampling import sample_next
@@ -26,10 +27,8 @@ from .sampling import sample_next
 
 def zero_padding(tensor: torch.Tensor, mask: torch.Tensor, address: Address) -> torch.Tensor:
     """Zero every padded position (query rows of a pattern), so padding never reads as data."""
-    if address.name == "pattern":
-        keep = mask[:, None, :, None]
-    else:
-        keep = mask.reshape(*mask.shape, *([1] * (tensor.dim() - 2)))
+    axis = address.query_axis
+    keep = mask.reshape(mask.shape[0], *(mask.shape[1] if d == axis else 1 for d in range(1, tensor.dim())))
     return torch.where(keep.to(tensor.device), tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
 
@@ -39,7 +38,7 @@ class EagerModel(CaptureModel):
 
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
-        self.dtype = str(hf_model.dtype).removeprefix("torch.")
+        self.dtype = dtype_name(hf_model.dtype)
         self.arch = arch_for(hf_model.config)
         self.info = model_info(hf_model.config, name)
         self.unserved = unserved_sites(self.arch.sites)
@@ -145,7 +144,7 @@ class EagerModel(CaptureModel):
                         finish = "stop"
                         break
                     step_ids = torch.tensor([[next_id]], device=self.device)
-        fed = torch.cat([tokens, torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
+        fed = fed_tokens(tokens, generated)
         completion = Completion(self.tok.decode(generated), generated, finish)
         held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
         return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)

@@ -26,7 +26,7 @@ import torch
 from ..address import Address
 from ..archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
 from ..cache import Cache
-from ..edits import wire as edit_wire
+from ..edits_wire import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
 from ..tokens import InputError, Tokenizer

@@ -28,7 +28,8 @@ import dataclasses
 import torch
 
 from ..address import Address, parse_address
-from ..edits import Add, Set, apply_edit, from_wire
+from ..edits import Add, Set, apply_edit
+from ..edits_wire import from_wire
 
 @dataclasses.dataclass(eq=False)
 class _Entry:

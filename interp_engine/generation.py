@@ -1,0 +1,90 @@
+"""Generation, as every backend offers it: the sampling options and what comes back.
+
+:class:`Sampling` holds the options of ``capture_generation`` (greedy by default), checked once
+here so that every backend, and the wire to a cluster, sees the same plain numbers and gives the
+same errors. :class:`Completion` is the text and token ids generated for one prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+from typing import Any
+
+from .tokens import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """What ``capture_generation`` generated for one prompt."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Generation options shared by every backend. Greedy (temperature 0) by default."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        # Each check names the option, the value and the valid range; values are normalised to
+        # plain Python numbers so that every backend (and the wire to a cluster) sees the same.
+        self._set("max_tokens", _integer(self.max_tokens, "max_tokens", "a positive int", low=1))
+        self._set("temperature", _real(self.temperature, "temperature", "a finite number >= 0 (0 is greedy)",
+                                       ok=lambda t: t >= 0))
+        self._set("top_p", _real(self.top_p, "top_p", "a number in (0, 1] (1 keeps every token)",
+                                 ok=lambda p: 0 < p <= 1))
+        self._set("top_k", _integer(self.top_k, "top_k", "an int >= 0 (0 means no top-k)", low=0))
+        if self.seed is not None:
+            self._set("seed", _integer(self.seed, "seed", "None or an int in [0, 2**63)", low=0, high=2**63 - 1))
+        if not isinstance(self.stop_at_eos, bool):
+            raise InputError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
+
+    def _set(self, field: str, value) -> None:
+        object.__setattr__(self, field, value)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "Sampling":
+        """``Sampling(**options)``, where an unknown keyword is an :class:`InputError` that names
+        the valid ones (and the closest, for a typo such as ``temprature=``)."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise InputError(f"unknown generation option {key!r}{hint}; the options are {', '.join(valid)}")
+        return cls(**options)
+
+    def check_length(self, prompt: int, limit: int, what: str) -> None:
+        """Refuse a generation that could run past ``limit`` positions (``what`` names the limit):
+        a prompt of ``prompt`` tokens plus ``max_tokens`` must fit, as vLLM counts it."""
+        if prompt + self.max_tokens <= limit:
+            return
+        fix = (f"use max_tokens <= {limit - prompt} or a shorter prompt" if prompt < limit
+               else f"shorten the prompt below {limit} tokens")
+        raise InputError(
+            f"a prompt of {prompt} tokens plus max_tokens={self.max_tokens} needs {prompt + self.max_tokens} "
+            f"positions, more than {what}; {fix}"
+        )
+
+
+def _integer(value, name: str, valid: str, *, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high and value > high):
+        raise InputError(f"{name} must be {valid}, got {value!r}")
+    return int(value)
+
+
+def _real(value, name: str, valid: str, *, ok) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise InputError(f"{name} must be {valid}, got {value!r}")
+    return float(value)

@@ -168,10 +168,9 @@ def held_positions(selection: Selection | None, lengths: list[int], total: list[
     return out
 
 
-def gather_positions(tensor: torch.Tensor, index: torch.Tensor, *, axis: int = 1, pattern: bool = False) -> torch.Tensor:
+def gather_positions(tensor: torch.Tensor, index: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
     """``tensor[b, index[b, i], ...]`` for ``index`` ``[batch, k]`` (-1 entries give zeros), the
-    positions on ``axis`` (an address's ``query_axis``; ``pattern=True`` is ``axis=2``)."""
-    axis = 2 if pattern else axis
+    positions on ``axis`` (an address's ``query_axis``)."""
     if axis != 1:
         return gather_positions(tensor.transpose(1, axis), index).transpose(1, axis)
     valid = index >= 0

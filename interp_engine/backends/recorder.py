@@ -105,8 +105,8 @@ class Recorder:
         from the forward's output rather than a hook)."""
         if address in self._wanted:
             if self.positions is not None:
-                pattern = address.name == "pattern"
-                tensor = gather_positions(tensor, self._rows(tensor.shape[2 if pattern else 1]), pattern=pattern)
+                axis = address.query_axis
+                tensor = gather_positions(tensor, self._rows(tensor.shape[axis]), axis=axis)
             self.chunks[address].append(tensor.detach() if self.detach else tensor)
 
     def _rows(self, length: int) -> torch.Tensor:
@@ -268,10 +268,10 @@ class Recorder:
         out = {}
         for address in self.addresses:
             chunks = self.chunks[address]
-            if address.name == "pattern":
+            if len(address.position_axes) > 1:  # keys too (pattern): each step sees more of them
                 width = chunks[-1].shape[-1]
                 chunks = [F.pad(c, (0, width - c.shape[-1])) for c in chunks]
-                out[address] = torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]
+                out[address] = torch.cat(chunks, dim=address.query_axis) if len(chunks) > 1 else chunks[0]
             else:
-                out[address] = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
+                out[address] = torch.cat(chunks, dim=address.query_axis) if len(chunks) > 1 else chunks[0]
         return out

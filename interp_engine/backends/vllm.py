@@ -29,7 +29,7 @@ from ..cache import Cache
 from ..edits_wire import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
-from ..tokens import InputError, Tokenizer
+from ..tokens import InputError, Tokenizer, fed_tokens
 from ..unembedding import FetchedUnembedding, UnembedWeights
 from .heads import split_heads
 from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
@@ -159,7 +159,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         out = finished.output.outputs[0]
         generated = list(out.token_ids)
         completion = Completion(self.tok.decode(generated), generated, out.finish_reason or "")
-        fed = torch.cat([tokens, torch.tensor([generated[:-1]], dtype=torch.long)], dim=1)
+        fed = fed_tokens(tokens, generated)
         return completion, self._cache(finished, fed, addresses, positions, tokens.shape[1])
 
     def _cache(self, finished: Finished, fed, addresses, positions: Selection | None, prompt: int) -> Cache:

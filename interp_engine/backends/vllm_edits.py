@@ -1,6 +1,6 @@
 """Edits inside a vLLM worker: each request's own edits, applied to its own rows of the flat batch.
 
-A request is registered with its edits as plain data (:func:`interp_engine.edits.wire`: kind,
+A request is registered with its edits as plain data (:func:`interp_engine.edits_wire.wire`: kind,
 numbers, lists; no code crosses). In each forward the recorder's row map says which rows of the
 flat batch are which request's positions; an edit changes only the rows of the requests that
 carry it, at the positions they asked for, so requests without edits that share the batch run

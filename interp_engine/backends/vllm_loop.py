@@ -50,7 +50,7 @@ class Job:
     points: list[str]
     #: ``{"positions": [...], "after": n}``: keep only those rows (None: every row)
     positions: dict | None = None
-    #: ``{address: edit as plain data}`` (edits.wire): applied to this request's rows only
+    #: ``{address: edit as plain data}`` (edits_wire.wire): applied to this request's rows only
     edits: dict | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     internal_id: str = ""

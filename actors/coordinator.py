@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from interp_engine.address import parse_address
+from interp_engine.cluster_errors import user_error
 from interp_engine.dataset_shard import ShardSpec, ShardStats
 from interp_engine.tokens import unpad
 
@@ -149,7 +150,7 @@ class RayExecutor:
         except RayActorError as err:
             raise ReplicaDied(-1, type(err).__name__) from None  # the scheduler knows which replica
         except RayTaskError as err:
-            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+            raise user_error(err) from None
 
 
 def coordinator_actor():

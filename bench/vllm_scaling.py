@@ -13,7 +13,8 @@ faster than the work shows as a growing per-unit number.
   ``LLM.generate`` on the same engine.
 - ``positions``: prefill only (``await model.capture(tokens, points)``), ``resid_post`` at all 30
   layers, prompts of 16, 256 and 1,024 random tokens, as many prompts as fill the same token
-  budget; baseline: ``LLM.generate`` of one token for the same prompts.
+  budget; baseline: ``LLM.generate`` of one token for the same prompts, not detokenized (what a
+  prefill capture runs).
 
     .venv/bin/python bench/vllm_scaling.py [--reps 3] [--curve points|positions|both] [--budget 2048]
 """
@@ -55,22 +56,24 @@ def measure(variants: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
 
 
 def report(title: str, times: dict, units: dict[str, int], unit: str, sizes: dict[str, int]) -> None:
-    """One line per variant: medians, paired ratios to ``plain``, extra CPU time per unit of work
+    """One line per variant: medians, paired ratios to ``plain`` (and the CPU ratio of the fastest
+    repetitions: interference from other tenants only adds time), extra CPU time per unit of work
     and per MiB captured."""
     print(f"\n{title}")
-    print(f"{'variant':<22}{'wall s':>8}{'cpu s':>8}{'wall/plain':>12}{'cpu/plain':>11}"
+    print(f"{'variant':<22}{'wall s':>8}{'cpu s':>8}{'wall/plain':>12}{'cpu/plain':>11}{'fastest cpu':>13}"
           f"{'extra cpu ms/' + unit:>24}{'MiB':>9}{'extra cpu ms/MiB':>18}")
     for name, ts in times.items():
         base = times[plain_of(name)]
         wall = statistics.median(w / b for (w, _), (b, _) in zip(ts, base))
         cpu = statistics.median(c / b for (_, c), (_, b) in zip(ts, base))
+        fastest = min(c for _, c in ts) / min(b for _, b in base)  # interference only adds time
         extra = statistics.median(c - b for (_, c), (_, b) in zip(ts, base))
         per = f"{1e3 * extra / units[name]:.3f}" if units.get(name) else ""
         mib = sizes.get(name, 0) / (1 << 20)
         per_mib = f"{1e3 * extra / mib:.2f}" if mib else ""
         mib = f"{mib:.1f}" if mib else ""
         print(f"{name:<22}{statistics.median(w for w, _ in ts):>8.2f}{statistics.median(c for _, c in ts):>8.2f}"
-              f"{wall:>12.3f}{cpu:>11.3f}{per:>24}{mib:>9}{per_mib:>18}")
+              f"{wall:>12.3f}{cpu:>11.3f}{fastest:>13.3f}{per:>24}{mib:>9}{per_mib:>18}")
 
 
 def plain_of(name: str) -> str:
@@ -105,7 +108,7 @@ def positions_curve(model, reps: int, budget: int) -> None:
     for length in (16, 256, 1024):
         batch = [torch.randint(0, model.info.d_vocab, (1, length), generator=generator)
                  for _ in range(max(1, budget // length))]
-        variants[f"plain@{length}"] = lambda batch=batch: plain_generate(model, batch, 1)
+        variants[f"plain@{length}"] = lambda batch=batch: plain_generate(model, batch, 1, detokenize=False)
         variants[f"capture@{length}"] = lambda batch=batch: capture(model, batch, points, None)
         units[f"capture@{length}"] = length * len(batch)
     sizes = {name: variants[name]() for name in units}

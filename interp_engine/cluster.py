@@ -21,6 +21,7 @@ from .address import Address
 from .cache import Cache
 from .cluster_errors import ClusterError as ClusterError
 from .cluster_errors import ShardFailed as ShardFailed
+from .cluster_errors import user_error
 from .dtypes import dtype_name
 from .edits_wire import to_plain
 from .model import CaptureModel, Completion, Sampling
@@ -100,12 +101,11 @@ def _user_errors():
     try:
         yield
     except ray.exceptions.RayTaskError as err:
-        raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+        raise user_error(err) from None
 
 
 def _cause(err) -> str:
-    cause = getattr(err, "cause", None)
-    text = str(cause if isinstance(cause, BaseException) else err)
+    text = str(user_error(err))
     return text.strip().splitlines()[-1] if text.strip() else type(err).__name__
 
 

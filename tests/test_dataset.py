@@ -95,6 +95,20 @@ def test_manifest_records_provenance(llama, tmp_path):
     assert json.loads(pq.read_schema(ds.files[0]).metadata[b"interp_engine.manifest"]) == identity
 
 
+def test_tokenizer_fingerprint_is_kept_until_the_tokenizer_changes(llama):
+    import copy
+
+    from interp_engine.dataset_manifest import tokenizer_fingerprint
+
+    first = tokenizer_fingerprint(llama.tok.hf)
+    twin = copy.deepcopy(llama.tok.hf)  # a different object: computed afresh, same content
+    assert tokenizer_fingerprint(twin) == first == tokenizer_fingerprint(llama.tok.hf)
+    twin.add_tokens(["<probe_token>"])
+    grown = tokenizer_fingerprint(twin)
+    assert grown != first and tokenizer_fingerprint(copy.deepcopy(twin)) == grown
+    assert tokenizer_fingerprint(llama.tok.hf) == first
+
+
 def test_rerun_resumes_and_ends_identical(llama, tmp_path):
     out = tmp_path / "r"
     first = build_dataset(llama, PROMPTS, ["resid_post.1"], out, shard_size=2, progress=False)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from interp_engine.address import parse_address
+from interp_engine.batching import chunk_bounds, join_rows
 from interp_engine.cluster_errors import user_error
 from interp_engine.dataset_shard import ShardSpec, ShardStats
 from interp_engine.tokens import unpad
 
-from .batching import chunk_bounds, join_rows
 from .scheduler import ReplicaDied, Scheduler, Shard
 from .wire import Captured, Generated, pack_dict
 

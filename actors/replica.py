@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from interp_engine.address import parse_address
+from interp_engine.batching import run_padded
 from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
+from interp_engine.dtypes import Packed
 from interp_engine.edits_wire import from_plain
 from interp_engine.model import CaptureModel
 
-from .batching import run_padded
 from .wire import Captured, Generated, pack_dict
 
 
@@ -108,8 +109,6 @@ class ReplicaCore:
         return dataclasses.replace(write_shard(self.model, spec, index, texts), replica=self.index, pid=os.getpid())
 
     def o_proj_weight(self, layer: int):
-        from .wire import Packed
-
         return Packed.of(self.model.o_proj_weight(layer))
 
     def unembed_weights(self) -> dict:

@@ -2,7 +2,9 @@
 
 A :class:`Scheduler` takes an iterable of :class:`Shard`\\ s and a set of replicas and yields
 ``(shard, result)`` once per shard id. It pulls shards from the iterable only when a replica
-slot is free, so memory stays bounded however many shards there are. When a replica dies, its
+slot is free (and at most one per replica ahead), so memory stays bounded however many shards
+there are. A busy replica gets a second shard queued only while more shards are left than
+replicas: the last shards go to whichever replica comes free first. When a replica dies, its
 shards go back to the queue and run on the replicas still alive (at-least-once underneath);
 results are keyed by shard id, so a shard that somehow completes twice is reported once.
 
@@ -90,6 +92,7 @@ class Scheduler:
     def run(self, method: str, shards: Iterable[Shard]) -> Iterator[tuple[Shard, Any]]:
         source = iter(shards)
         retry: collections.deque[Shard] = collections.deque()
+        ahead: collections.deque[Shard] = collections.deque()  # pulled from the source, not yet submitted
         pending: dict[Any, tuple[Shard, int]] = {}
         probes: dict[Any, int] = {}
         due: dict[int, float] = {}  # replica -> when to probe it again
@@ -102,22 +105,31 @@ class Scheduler:
             for replica in [r for r, t in due.items() if t <= now]:
                 del due[replica]
                 probes[self.executor.submit(replica, "ping")] = replica
-            while self.live and (retry or not exhausted):
+            while self.live and (retry or ahead or not exhausted):
                 replica = min(self.live, key=lambda r: load[r])
                 if load[replica] >= self.per_replica:
                     break
-                if retry:
-                    shard = retry.popleft()
-                else:
+                while not exhausted and len(ahead) <= len(self.live):  # enough ahead to see the end coming
                     shard = next(source, None)
                     if shard is None:
                         exhausted = True
-                        break
+                    else:
+                        ahead.append(shard)
+                # Every replica is busy: queue a shard behind a running one only while more shards
+                # are left than replicas. At the end of the work the last shards wait here for the
+                # replica that comes free first, instead of sitting in a slower replica's queue
+                # while another one idles (the tail that kept two replicas from halving the time).
+                if load[replica] and len(retry) + len(ahead) <= len(self.live):
+                    break
+                if not (retry or ahead):
+                    break
+                shard = retry.popleft() if retry else ahead.popleft()
                 pending[self.executor.submit(replica, method, *shard.args)] = (shard, replica)
                 load[replica] += 1
-            waiting = bool(probes or due) and (retry or not exhausted)
+            left = bool(retry or ahead or not exhausted)
+            waiting = bool(probes or due) and left
             if not pending and not waiting:
-                if retry or not exhausted:
+                if left:
                     raise NoReplicasLeft(
                         f"all replicas died ({', '.join(map(str, self.dead))}) before the work was done; "
                         f"check the replicas' logs (ray logs / the dashboard) and the nodes' memory, then rerun"

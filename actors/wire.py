@@ -13,27 +13,7 @@ import numpy as np
 import torch
 
 from interp_engine.address import Address, format_address, parse_address
-from interp_engine.dtypes import as_bfloat16, bf16_bits, dtype_name
-
-
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """A tensor as a numpy array plus the torch dtype it came from."""
-
-    array: np.ndarray
-    dtype: str
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Packed":
-        tensor = tensor.detach().cpu().contiguous()
-        if tensor.dtype == torch.bfloat16:
-            return cls(bf16_bits(tensor).numpy(), "bfloat16")
-        return cls(tensor.numpy(), dtype_name(tensor.dtype))
-
-    def tensor(self) -> torch.Tensor:
-        # Arrays out of the object store are read-only; the copy gives the user a tensor they own.
-        out = torch.from_numpy(np.array(self.array, copy=True))
-        return as_bfloat16(out) if self.dtype == "bfloat16" else out
+from interp_engine.dtypes import Packed
 
 
 def pack_dict(data: dict[Address, torch.Tensor]) -> dict[str, Packed]:

@@ -34,7 +34,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .address import Address, parse_address
+from .address import parse_address
+from .batching import pad_positions, pad_tokens, run_padded
 from .dataset_columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
 from .dataset_columns import encode, field_metadata, nested, write_bytes
 from .tokens import pad_batch
@@ -106,18 +107,12 @@ def shard_name(index: int, n_shards: int) -> str:
     return f"part-{index:05d}-of-{n_shards:05d}.parquet"
 
 
-def _run(model, tokens: torch.Tensor, addresses: list[Address], positions=None):
-    from interp_engine.actors.batching import run_padded
-
-    return run_padded(model, tokens, addresses, positions)
-
-
 def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple[pa.Table, int]:
     """The shard's Arrow table and its number of real tokens."""
     rows = [model.tok.encode(t) for t in texts]
     tokens = pad_batch(rows)
     addresses = [parse_address(p) for p in spec.points]
-    cache = _run(model, tokens, addresses, spec.positions)
+    cache = run_padded(model, tokens, addresses, spec.positions)
     ids = torch.from_numpy(spec.prompt_ids(index, len(rows)).copy())
     lengths = (tokens >= 0).sum(dim=1)
     columns: dict[str, pa.Array] = {}
@@ -132,8 +127,6 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
         add(name, nested(array), field_metadata(name, dtype, array.shape[1:]))
 
     if spec.layout == "sequence":
-        from interp_engine.actors.batching import pad_positions, pad_tokens
-
         add("prompt_index", pa.array(ids.numpy()))
         add("length", pa.array(lengths.numpy().astype(np.int32)))
         add("tokens", nested(pad_tokens(tokens, spec.max_length).numpy().astype(np.int32)))

@@ -18,6 +18,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from .dtypes import Packed
+
 
 @dataclasses.dataclass(frozen=True)
 class UnembedWeights:
@@ -30,8 +32,6 @@ class UnembedWeights:
 
     def as_plain(self) -> dict:
         """Numpy arrays and plain values only (for Ray: zero-copy, no torch pickling)."""
-        from .actors.wire import Packed
-
         return {"config": self.config, "norm_path": self.norm_path,
                 "norm": {k: Packed.of(v) for k, v in self.norm.items()}, "weight": Packed.of(self.weight)}
 

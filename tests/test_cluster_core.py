@@ -10,8 +10,9 @@ from interp_engine import InputError, parse_address, run_with_cache
 from interp_engine.actors.coordinator import CoordinatorCore
 from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
 from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard, ShardFailed
-from interp_engine.actors.wire import Packed, unpack_dict
+from interp_engine.actors.wire import unpack_dict
 from interp_engine.cluster import ClusterError, check_capacity
+from interp_engine.dtypes import Packed
 
 POINTS = ["resid_post.1", "z.0", "mlp_post.2", "logits"]
 
@@ -57,10 +58,53 @@ def test_scheduler_bounds_work_in_flight_and_pulls_shards_lazily():
 
     results = Scheduler(executor, [0, 1, 2], per_replica=2).run("run", shards())
     first = next(results)
-    assert len(pulled) <= 7  # 3 replicas x 2 in flight, plus the one being yielded
+    assert len(pulled) <= 11  # 3 replicas x 2 in flight, one shard per replica and one looked ahead, the one yielded
     rest = list(results)
     assert sorted(s.index for s, _ in [first, *rest]) == list(range(50))
     assert executor.max_in_flight <= 6
+
+
+class TimedExecutor:
+    """Replicas that run their calls one after another, each call taking the replica's ``seconds``
+    of simulated time. Records each moment a replica sat idle while a shard waited in another
+    replica's queue (the tail that keeps replicas from dividing the time)."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.seconds, self.now = seconds, 0.0
+        self.free_at = dict.fromkeys(seconds, 0.0)
+        self.calls: dict[object, tuple[int, float, float, tuple]] = {}  # future -> replica, start, end, args
+        self.idle_beside_queued = []
+
+    def submit(self, replica, method, *args):
+        start = max(self.now, self.free_at[replica])
+        self.free_at[replica] = start + self.seconds[replica]
+        future = object()
+        self.calls[future] = (replica, start, self.free_at[replica], args)
+        return future
+
+    def wait(self, futures, timeout):
+        idle = [r for r, t in self.free_at.items() if t <= self.now]
+        queued = [f for f in futures if self.calls[f][1] > self.now]
+        if idle and queued:
+            self.idle_beside_queued.append((self.now, idle, len(queued)))
+        first = min(futures, key=lambda f: self.calls[f][2])
+        self.now = self.calls[first][2]
+        return [first]
+
+    def result(self, future):
+        return ("done", self.calls.pop(future)[3][0])
+
+
+@pytest.mark.parametrize("per_replica", [2, 3])
+def test_the_last_shards_go_to_the_replica_that_comes_free(per_replica):
+    """Two replicas, one 30 % slower: work is queued ahead on each while plenty is left, but no
+    replica idles while a shard waits behind a running one, so they finish within one shard."""
+    executor = TimedExecutor({0: 1.0, 1: 1.3})
+    out = list(Scheduler(executor, [0, 1], per_replica=per_replica).run("run", (Shard(i, (i,)) for i in range(12))))
+    assert sorted(s.index for s, _ in out) == list(range(12))
+    assert executor.idle_beside_queued == []
+    assert abs(executor.free_at[0] - executor.free_at[1]) <= 1.3
+    assert max(executor.free_at.values()) <= 7.0  # 12 shards at 1/1.0 + 1/1.3 per unit time: 6.8 at best
 
 
 def test_scheduler_moves_a_dead_replicas_shards_and_reports_each_once():

@@ -69,6 +69,22 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
+#: the core modules that may import the Ray actors: the cluster model (driver side) alone
+TALKS_TO_ACTORS = {"interp_engine.cluster"}
+
+
+def test_the_core_does_not_reach_up_into_the_actors():
+    """The engine (backends, datasets, padding, dtypes) works without Ray: only the cluster model
+    imports ``interp_engine.actors``; the actors build on the core, never the other way."""
+    known = modules()
+    core = {name: path for name, path in known.items()
+            if not name.startswith(("interp_engine.actors", "interp_engine.jobs", "interp_engine.examples"))}
+    upward = {name: sorted(t for t in imports(name, path, known) if t.startswith("interp_engine.actors"))
+              for name, path in core.items() if name not in TALKS_TO_ACTORS}
+    upward = {name: targets for name, targets in upward.items() if targets}
+    assert not upward, f"core modules importing the actors: {upward}"
+
+
 def test_readme_layout_names_every_library_module():
     """README's layout section is the map of the package: every module of interp_engine/ is
     named there, by its file name or a family pattern such as ``dataset_*.py``."""

@@ -79,7 +79,7 @@ def _compare(local, cache, tokens, points, replicas) -> tuple[bool, float]:
     import torch
 
     from interp_engine import run_with_cache
-    from interp_engine.actors.batching import chunk_bounds
+    from interp_engine.batching import chunk_bounds
 
     whole = run_with_cache(local, tokens, points)
     chunks = [run_with_cache(local, tokens[a:b], points) for a, b in chunk_bounds(tokens.shape[0], replicas)]

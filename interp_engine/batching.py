@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from interp_engine.address import Address
-from interp_engine.cache import Cache
-from interp_engine.model import CaptureModel
-from interp_engine.tokens import PAD_ID, unpad
+from .address import Address
+from .cache import Cache
+from .model import CaptureModel
+from .tokens import PAD_ID, unpad
 
 
 def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:

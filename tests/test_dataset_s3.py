@@ -93,7 +93,7 @@ def no_capture(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a capture started")
 
-    monkeypatch.setattr(shard, "_run", refuse)
+    monkeypatch.setattr(shard, "run_padded", refuse)
 
 
 def test_bad_destinations_fail_before_any_capture(s3, llama, no_capture, monkeypatch, tmp_path):

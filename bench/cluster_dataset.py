@@ -12,8 +12,9 @@ Three ratios, each measured side by side in one run (absolute times on shared ma
    two builds interleaved, each model's replicas on nodes of their own: time ratio (best of each,
    and the median of the pairs), ideally 0.5 where the machine has 2 free cores. Beside it, the floors this machine
    sets with no Ray at all: two spinning processes, and two processes doing a replica's work, at
-   once / one after the other; and where the 2-replica build's time goes (Ray's timeline, CPU
-   seconds by role, the replica's work by phase).
+   once / one after the other (the latter again beside the idle Ray cluster, whose daemons share
+   the same cores); and where the builds' time goes (Ray's timeline, CPU seconds by role for a
+   2-replica and a 1-replica build, the replica's work by phase).
 3. memory: peak RSS of a build of 1,000 prompts / 100 prompts, for the driver and a replica,
    each build in a fresh process. Target <= 1.2 (shards stream; nothing grows with the prompts).
 """
@@ -100,6 +101,10 @@ def overhead_and_scaling(args, work: Path) -> dict:
         busy = replica_busy(ray.timeline(), before)
         busy["build_s"] = traced_s
         busy["cpu_s"] = cpu_by_role(cpu_before, cpu_seconds())
+        cpu_before = cpu_seconds()
+        busy["one_replica_build_s"] = timed_build(one_pinned, texts, points, work / "traced-1")
+        busy["one_replica_cpu_s"] = cpu_by_role(cpu_before, cpu_seconds())
+        beside_ray = workload_parallelism(args)  # the same floor, with this idle cluster's daemons running
         one_pinned.close()
         two.close()
         parts = phases(args.model, texts, points, work)
@@ -112,7 +117,7 @@ def overhead_and_scaling(args, work: Path) -> dict:
             "scaling_pairs": [{"one_s": a, "two_s": b, "ratio": b / a, "shards_per_replica": split}
                               for a, b, split in scaling],
             "scaling_ratio_median": statistics.median(b / a for a, b, _ in scaling),
-            "two_replicas_busy": busy, "in_process_phases_s": parts}
+            "two_replicas_busy": busy, "in_process_phases_s": parts, "workload_parallelism_beside_ray": beside_ray}
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -329,7 +334,8 @@ def main() -> None:
     print(f"this machine: two single-threaded compute processes at once / one after the other "
           f"{result['machine_parallelism']:.3f}; two processes doing a replica's work at once / one after the other "
           f"{result['workload_parallelism']:.3f} (the floor of the scaling ratio without Ray; load average "
-          f"{os.getloadavg()[0]:.2f})")
+          f"{os.getloadavg()[0]:.2f}); the same with this benchmark's Ray cluster up and idle "
+          f"{result['workload_parallelism_beside_ray']:.3f}")
     busy, parts = result["two_replicas_busy"], result["in_process_phases_s"]
     print("2 replicas, one traced build: " + ", ".join(
         f"replica busy {r['busy_s']:.2f} s ({r['shards']} shards, last done at {r['last_end_s']:.2f} s)"
@@ -338,6 +344,8 @@ def main() -> None:
         f"{busy['build_s'] - busy['lead_in_s'] - busy['first_to_last_s']:.2f} s")
     print("CPU seconds during that build, by role: " + ", ".join(
         f"{role} {seconds:.2f}" for role, seconds in busy["cpu_s"].items() if seconds >= 0.01))
+    print(f"CPU seconds during a 1-replica build ({busy['one_replica_build_s']:.2f} s), by role: " + ", ".join(
+        f"{role} {seconds:.2f}" for role, seconds in busy["one_replica_cpu_s"].items() if seconds >= 0.01))
     total = sum(parts.values())
     print("the replicas' work done in this process, by phase: " + ", ".join(
         f"{name} {seconds:.2f} s ({seconds / total:.0%})" for name, seconds in parts.items()))

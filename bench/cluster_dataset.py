@@ -96,14 +96,10 @@ def overhead_and_scaling(args, work: Path) -> dict:
             single = split_build(one_pinned, texts, points, work / "single")
             scaling.append((single[0], *split_build(two, texts, points, work / "double")))
         single_s, double_s = min(p[0] for p in scaling), min(p[1] for p in scaling)
-        before, cpu_before = time.time(), cpu_seconds()
-        traced_s = timed_build(two, texts, points, work / "traced")
-        busy = replica_busy(ray.timeline(), before)
-        busy["build_s"] = traced_s
-        busy["cpu_s"] = cpu_by_role(cpu_before, cpu_seconds())
-        cpu_before = cpu_seconds()
-        busy["one_replica_build_s"] = timed_build(one_pinned, texts, points, work / "traced-1")
-        busy["one_replica_cpu_s"] = cpu_by_role(cpu_before, cpu_seconds())
+        before = time.time()
+        traced_s, traced_cpu = build_with_cpu(two, texts, points, work / "traced")
+        busy = {**replica_busy(ray.timeline(), before), "build_s": traced_s, "cpu_s": traced_cpu}
+        one_s_traced, one_cpu = build_with_cpu(one_pinned, texts, points, work / "traced-1")
         beside_ray = workload_parallelism(args)  # the same floor, with this idle cluster's daemons running
         one_pinned.close()
         two.close()
@@ -117,7 +113,15 @@ def overhead_and_scaling(args, work: Path) -> dict:
             "scaling_pairs": [{"one_s": a, "two_s": b, "ratio": b / a, "shards_per_replica": split}
                               for a, b, split in scaling],
             "scaling_ratio_median": statistics.median(b / a for a, b, _ in scaling),
-            "two_replicas_busy": busy, "in_process_phases_s": parts, "workload_parallelism_beside_ray": beside_ray}
+            "two_replicas_busy": busy, "one_replica_traced": {"build_s": one_s_traced, "cpu_s": one_cpu},
+            "in_process_phases_s": parts, "workload_parallelism_beside_ray": beside_ray}
+
+
+def build_with_cpu(model, texts, points, out) -> tuple[float, dict[str, float]]:
+    """:func:`timed_build`, and the CPU seconds each role used meanwhile (:func:`cpu_by_role`)."""
+    before = cpu_seconds()
+    elapsed = timed_build(model, texts, points, out)
+    return elapsed, cpu_by_role(before, cpu_seconds())
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -143,6 +147,11 @@ def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
         role = "driver" if pid == os.getpid() else next((r for key, r in ROLES if key in command), "other processes")
         used[role] = used.get(role, 0.0) + seconds - before.get(pid, ("", 0.0))[1]
     return dict(sorted(used.items(), key=lambda item: -item[1]))
+
+
+def roles(cpu: dict[str, float]) -> str:
+    """A :func:`cpu_by_role` result as one line, leaving out roles under 0.01 s."""
+    return ", ".join(f"{role} {seconds:.2f}" for role, seconds in cpu.items() if seconds >= 0.01)
 
 
 def replica_busy(events: list[dict], since: float) -> dict:
@@ -342,10 +351,9 @@ def main() -> None:
         for r in busy["replicas"]) + f"; build {busy['build_s']:.2f} s: start to first shard {busy['lead_in_s']:.2f} s, "
         f"first shard to last {busy['first_to_last_s']:.2f} s, the rest (manifest, checks) "
         f"{busy['build_s'] - busy['lead_in_s'] - busy['first_to_last_s']:.2f} s")
-    print("CPU seconds during that build, by role: " + ", ".join(
-        f"{role} {seconds:.2f}" for role, seconds in busy["cpu_s"].items() if seconds >= 0.01))
-    print(f"CPU seconds during a 1-replica build ({busy['one_replica_build_s']:.2f} s), by role: " + ", ".join(
-        f"{role} {seconds:.2f}" for role, seconds in busy["one_replica_cpu_s"].items() if seconds >= 0.01))
+    one = result["one_replica_traced"]
+    print("CPU seconds during that build, by role: " + roles(busy["cpu_s"]))
+    print(f"CPU seconds during a 1-replica build ({one['build_s']:.2f} s), by role: " + roles(one["cpu_s"]))
     total = sum(parts.values())
     print("the replicas' work done in this process, by phase: " + ", ".join(
         f"{name} {seconds:.2f} s ({seconds / total:.0%})" for name, seconds in parts.items()))

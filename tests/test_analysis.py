@@ -14,6 +14,7 @@ from interp_engine import (Address, AddressError, accumulated_resid, decompose_r
 
 from .oracles import assert_near
 from .tiny import DENSE_FAMILIES
+from .devices import on
 
 PROMPTS = ["The quick brown fox", "jumps over"]
 
@@ -75,11 +76,11 @@ def test_logit_attributions_sum_to_the_logits(model, cache):
     attr = logit_attribution(model, cache, targets)
     assert attr.shape == (1 + 2 * model.n_layers, *targets.shape)
     logits = model.hf.lm_head(model.final_norm(cache.get("resid_post", model.n_layers - 1)))  # before softcap
-    want = logits.gather(-1, targets[..., None])[..., 0]
+    want = logits.gather(-1, on(model, targets)[..., None])[..., 0]
     real = cache.mask
     assert_near(attr.sum(0)[real], want[real], "sum of attributions", rel=1e-5)
     if not cap:
-        assert_near(attr.sum(0)[real], cache["logits"].gather(-1, targets[..., None])[..., 0][real], "logits",
+        assert_near(attr.sum(0)[real], cache["logits"].gather(-1, on(model, targets)[..., None])[..., 0][real], "logits",
                     rel=1e-5)
     one = logit_attribution(model, cache, 7)
     assert_near(one.sum(0)[real], logits[..., 7][real], "one token id", rel=1e-5)

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from interp_engine import Address, head_contributions, run_with_cache
 
 from .tiny import DENSE_FAMILIES
+from .devices import load_kwargs, on
 
 PROMPT = "The quick brown fox jumps"
 LAYERS = range(3)
@@ -41,7 +42,7 @@ def layer(model, i):
 
 def test_resid_post_is_hf_hidden_state(model, tokens):
     cache = run_with_cache(model, tokens, [Address("resid_post", l) for l in LAYERS] + ["resid_pre.0"])
-    ref = model.hf(input_ids=tokens, output_hidden_states=True).hidden_states
+    ref = model.hf(input_ids=on(model, tokens), output_hidden_states=True).hidden_states
     assert torch.equal(cache.get("resid_pre", 0), ref[0])
     for l in LAYERS[:-1]:  # HF's last hidden state has the final norm applied
         assert torch.equal(cache.get("resid_post", l), ref[l + 1])
@@ -58,7 +59,7 @@ def test_residual_identities(cache):
 
 
 def test_logits_equal_hf(model, tokens, cache):
-    ref = model.hf(input_ids=tokens).logits
+    ref = model.hf(input_ids=on(model, tokens)).logits
     assert torch.equal(cache["logits"], ref)
 
 
@@ -105,13 +106,13 @@ def _gated(mlp, x):
 
 
 def test_pattern_matches_hf_eager_attention(model, tiny_path, family, tokens):
-    hf_eager = AutoModelForCausalLM.from_pretrained(tiny_path(family), attn_implementation="eager")
-    ref = hf_eager(input_ids=tokens, output_attentions=True).attentions
+    hf_eager = AutoModelForCausalLM.from_pretrained(tiny_path(family), attn_implementation="eager").to(model.device)
+    ref = hf_eager(input_ids=on(model, tokens), output_attentions=True).attentions
     cache = run_with_cache(model, tokens, [Address("pattern", l) for l in LAYERS])
     for l in LAYERS:
         pattern = cache.get("pattern", l)
         assert pattern.shape == (1, model.n_heads, tokens.shape[1], tokens.shape[1])
-        torch.testing.assert_close(pattern.sum(-1), torch.ones(pattern.shape[:-1]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(pattern.sum(-1), torch.ones(pattern.shape[:-1], device=pattern.device), atol=1e-5, rtol=0)
         assert torch.equal(pattern.triu(1), torch.zeros_like(pattern))  # causal
         torch.testing.assert_close(pattern, ref[l], atol=1e-6, rtol=1e-5)
 
@@ -132,7 +133,7 @@ def test_q_k_are_post_rotary_and_form_the_scores(eager_models, fam):
     cache = run_with_cache(model, tokens, [f"{n}.{l}" for n in ("pattern", "q", "k") for l in LAYERS])
     groups = model.n_heads // model.info.n_kv_heads
     n = tokens.shape[1]
-    causal = torch.full((n, n), float("-inf")).triu(1)
+    causal = torch.full((n, n), float("-inf"), device=model.device).triu(1)
     for l in LAYERS:
         q, k = cache.get("q", l), cache.get("k", l).repeat_interleave(groups, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * model.d_head**-0.5 + causal
@@ -158,13 +159,13 @@ def test_padded_batch_equals_single_prompts(model):
 def test_gradients_match_plain_hf(tiny_path):
     from interp_engine import load_model
 
-    model = load_model(str(tiny_path("llama")), backend="eager", requires_grad=True)
+    model = load_model(str(tiny_path("llama")), backend="eager", requires_grad=True, **load_kwargs())
     tokens = model.to_tokens(PROMPT)
     cache = run_with_cache(model, tokens, ["resid_post.1"], detach=False)
     (cache.get("resid_post", 1) ** 2).sum().backward()
     ours = {n: p.grad.clone() for n, p in model.hf.named_parameters() if p.grad is not None}
     model.hf.zero_grad(set_to_none=True)
-    hidden = model.hf(input_ids=tokens, output_hidden_states=True).hidden_states[2]
+    hidden = model.hf(input_ids=on(model, tokens), output_hidden_states=True).hidden_states[2]
     (hidden**2).sum().backward()
     theirs = {n: p.grad for n, p in model.hf.named_parameters() if p.grad is not None}
     assert ours.keys() == theirs.keys() and "model.embed_tokens.weight" in ours

@@ -14,6 +14,7 @@ from interp_engine import Add, AddressError, InputError, Scale, Set, Zero, captu
 from interp_engine.backends import attention
 
 from .oracles import assert_near
+from .devices import load_kwargs, on
 
 LAYER = 1
 PROMPT = "edit me, please"
@@ -49,8 +50,8 @@ def _kinds(model, site, length):
         block = (model.n_heads, length)
     else:
         block = _block(model, site)
-    vector = torch.randn(block, generator=g)
-    value = torch.randn(block, generator=g)
+    vector = on(model, torch.randn(block, generator=g))
+    value = on(model, torch.randn(block, generator=g))
     head = site in ("z", "q", "k", "v", "pattern")
 
     def at(positions, change, heads=None):
@@ -206,7 +207,7 @@ def test_patching_every_position_of_resid_pre_0_recovers_clean_logits(model):
 
 def test_norm_relative_equals_two_pass(model, tokens):
     address = f"resid_post.{LAYER}"
-    vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(3))
+    vector = on(model, torch.randn(model.d_model, generator=torch.Generator().manual_seed(3)))
     one_pass = run_with_cache(model, tokens, ["logits"], edits={address: Add(vector, scale=0.5, norm_relative=True)})
     norms = run_with_cache(model, tokens, [address])[address].norm(dim=-1, keepdim=True)  # [1, pos, 1]
     full = run_with_cache(model, tokens, [address])[address] + 0.5 * norms * vector / vector.norm()
@@ -225,7 +226,7 @@ def test_padded_batch_edits_each_rows_own_positions(model):
 
 
 def test_function_edit_and_gradients(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="eager", requires_grad=True)
+    model = load_model(str(tiny_path("llama")), backend="eager", requires_grad=True, **load_kwargs())
     tokens = model.to_tokens(PROMPT)
     seen = []
 
@@ -237,7 +238,7 @@ def test_function_edit_and_gradients(tiny_path):
     b = run_with_cache(model, tokens, ["logits"], edits={"mlp_out.0": Scale(2.0)})
     assert seen == ["mlp_out.0"] and torch.equal(a["logits"], b["logits"])
     # attribution patching: the gradient of a logit with respect to an added vector
-    vector = torch.zeros(model.d_model, requires_grad=True)
+    vector = torch.zeros(model.d_model, requires_grad=True, device=model.device)
     address = f"resid_post.{LAYER}"
     cache = run_with_cache(model, tokens, ["logits", address], detach=False,
                            edits={address: lambda t, a: t + vector})
@@ -327,10 +328,10 @@ STREAM_LAYOUT = {"deepseek_v4": "b p s d", "hy_v4": "b p s d", "qwen4_exp": "b p
 def test_resid_streams_edit_equals_hand_written_hook(family, tmp_path):
     from . import tiny_moe
 
-    model = load_model(str(tiny_moe.build(family, tmp_path)), backend="eager")
+    model = load_model(str(tiny_moe.build(family, tmp_path)), backend="eager", **load_kwargs())
     tokens = model.to_tokens(PROMPT)
     stream = model.info.n_streams - 1
-    vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(4))
+    vector = on(model, torch.randn(model.d_model, generator=torch.Generator().manual_seed(4)))
 
     def by_hand(module, args, output):
         t = output[0] if isinstance(output, tuple) else output
@@ -348,7 +349,7 @@ def test_resid_streams_edit_equals_hand_written_hook(family, tmp_path):
     handle = model.hf.get_submodule(model.arch.layers)[LAYER].register_forward_hook(by_hand)
     try:
         with torch.no_grad():
-            want = model.hf(input_ids=tokens, use_cache=False).logits
+            want = model.hf(input_ids=on(model, tokens), use_cache=False).logits
     finally:
         handle.remove()
     address = f"resid_streams.{LAYER}.{stream}"

@@ -8,6 +8,7 @@ import torch
 from interp_engine import Address, lens_top, logit_lens, run_with_cache
 
 from .tiny import DENSE_FAMILIES
+from .devices import on
 
 PROMPT = "The quick brown fox"
 
@@ -19,7 +20,7 @@ def model(request, eager_models):
 
 def hf_reference(model, tokens):
     with torch.no_grad():
-        out = model.hf(input_ids=tokens, output_hidden_states=True)
+        out = model.hf(input_ids=on(model, tokens), output_hidden_states=True)
     return out.logits, out.hidden_states
 
 

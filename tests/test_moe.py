@@ -12,6 +12,8 @@ import torch
 
 from interp_engine import Address, AddressError, RoutingError, expert_assignment, load_model, run_with_cache
 
+from .devices import load_kwargs, on
+
 from . import tiny_moe
 
 PROMPTS = ["Hello there, experts", "Hi"]
@@ -54,7 +56,8 @@ def test_router_logits_are_the_gate_on_the_layer_input(eager_models, family):
     block = _layer(model, layer)
     with torch.no_grad():
         expected = block.post_attention_layernorm(cache.get("resid_mid", layer)) @ block.mlp.gate.weight.T
-        hf = model.hf(input_ids=tokens.clamp(min=0), attention_mask=tokens >= 0, output_router_logits=True)
+        hf = model.hf(input_ids=on(model, tokens.clamp(min=0)), attention_mask=on(model, tokens >= 0),
+                      output_router_logits=True)
     real = cache.mask
     torch.testing.assert_close(logits[real], expected[real], rtol=1e-5, atol=1e-5)
     # transformers' own record of the gate output (one entry per MoE layer, flat tokens)
@@ -105,7 +108,7 @@ def test_selection_follows_the_family_rule(eager_models, family):
 def test_tied_router_scores_keep_the_modules_selection(tiny_path):
     """Every expert scores the same: the top-k is a pure tie. The captured selection is still
     the one the experts received, k distinct experts each weighted 1/k."""
-    model = load_model(str(tiny_path("qwen3_moe")), backend="eager")
+    model = load_model(str(tiny_path("qwen3_moe")), backend="eager", **load_kwargs())
     layer = model.info.moe_layers[0]
     gate = _layer(model, layer).mlp.gate
     with torch.no_grad():
@@ -175,7 +178,7 @@ def test_seed_moe_example_runs_as_written(tiny_path):
     name = str(tiny_path("qwen3_moe"))
     from interp_engine import expert_assignment, load_model, run_with_cache
 
-    model = load_model(name, backend="eager")
+    model = load_model(name, backend="eager", **load_kwargs())
     cache = run_with_cache(
         model,
         model.to_tokens("Hello"),
@@ -184,7 +187,7 @@ def test_seed_moe_example_runs_as_written(tiny_path):
     dense = expert_assignment(cache, 10, n_experts=128)  # [batch, pos, n_experts]
 
     assert dense.shape == (1, cache.tokens.shape[1], 128)
-    torch.testing.assert_close(dense.sum(-1), torch.ones(1, cache.tokens.shape[1]))
+    torch.testing.assert_close(dense.sum(-1), torch.ones(1, cache.tokens.shape[1], device=dense.device))
 
 
 def test_batched_routing_matches_single_prompts(eager_models):

@@ -13,6 +13,8 @@ import torch
 
 from interp_engine import Cache, InputError, build_dataset, capture_generation, run_with_cache
 
+from .devices import load_kwargs
+
 PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again"]
 POINTS = ["resid_post", "z.1", "attn_out.2", "logits"]
 
@@ -27,7 +29,7 @@ def by_hand(full: Cache, address, rows: list[list[int]]) -> torch.Tensor:
     that shares no code with the selection."""
     tensor = full[address]
     width = max(len(r) for r in rows)
-    out = torch.zeros((tensor.shape[0], width, *tensor.shape[2:]), dtype=tensor.dtype)
+    out = torch.zeros((tensor.shape[0], width, *tensor.shape[2:]), dtype=tensor.dtype, device=tensor.device)
     for b, r in enumerate(rows):
         for i, p in enumerate(r):
             out[b, i] = tensor[b, p]
@@ -73,7 +75,7 @@ def test_last_token_of_each_row_and_pattern(model):
 def test_gradients_flow_through_a_selection(tiny_path):
     from interp_engine import load_model
 
-    model = load_model(str(tiny_path("llama")), requires_grad=True)
+    model = load_model(str(tiny_path("llama")), requires_grad=True, **load_kwargs())
     cache = run_with_cache(model, model.to_tokens("grad"), ["resid_post.1"], detach=False, positions=-1)
     cache["resid_post.1"].sum().backward()
     assert model.hf.model.embed_tokens.weight.grad is not None

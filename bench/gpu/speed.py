@@ -64,8 +64,13 @@ def random_model(shape: dict, device: str, dtype: torch.dtype) -> EagerModel:
 
     config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    with torch.device(device):
-        hf = LlamaForCausalLM(config).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: no fp32 copy of 8B weights on the way
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     return EagerModel(hf, word_tokenizer(config.vocab_size), "random-llama3-8b-shape")
 
 

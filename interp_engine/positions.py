@@ -168,15 +168,17 @@ def held_positions(selection: Selection | None, lengths: list[int], total: list[
     return out
 
 
-def gather_positions(tensor: torch.Tensor, index: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
+def gather_positions(tensor: torch.Tensor, index: torch.Tensor, *, axis: int = 1,
+                     complete: bool | None = None) -> torch.Tensor:
     """``tensor[b, index[b, i], ...]`` for ``index`` ``[batch, k]`` (-1 entries give zeros), the
-    positions on ``axis`` (an address's ``query_axis``)."""
+    positions on ``axis`` (an address's ``query_axis``). ``complete``: whether ``index`` holds no
+    -1, when the caller knows (an index already on the GPU would otherwise be read back)."""
     if axis != 1:
-        return gather_positions(tensor.transpose(1, axis), index).transpose(1, axis)
+        return gather_positions(tensor.transpose(1, axis), index, complete=complete).transpose(1, axis)
     valid = index >= 0
     batch = torch.arange(tensor.shape[0], device=tensor.device)[:, None]
     picked = tensor[batch, index.clamp(min=0).to(tensor.device)]
-    if bool(valid.all()):
+    if complete if complete is not None else bool(valid.all()):
         return picked
     keep = valid.reshape(*valid.shape, *([1] * (picked.dim() - 2))).to(tensor.device)
     return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))

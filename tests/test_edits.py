@@ -137,7 +137,7 @@ def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT):
             ALL_ATTENTION_FUNCTIONS.register(name, attend)
             ALL_MASK_ATTENTION_FUNCTIONS.register(name, eager_mask)  # an additive float mask
         with torch.no_grad(), attention.using(hf, name) if site in ATTENTION else _nothing():
-            logits = hf(input_ids=tokens, use_cache=False).logits
+            logits = hf(input_ids=on(model, tokens), use_cache=False).logits
     finally:
         for handle in handles:
             handle.remove()

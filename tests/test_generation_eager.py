@@ -59,6 +59,6 @@ def test_captured_tensors_can_train_a_probe(model):
     for cache in (run_with_cache(model, model.to_tokens("probe me"), ["resid_post.1"]), generated):
         x = cache.get("resid_post", 1)
         assert not x.is_inference() and not x.requires_grad
-        probe = torch.nn.Linear(x.shape[-1], 1)
+        probe = torch.nn.Linear(x.shape[-1], 1, device=x.device)
         probe(x).sum().backward()
         assert probe.weight.grad.abs().sum() > 0

@@ -47,8 +47,8 @@ def test_lens_top_and_layers(model):
     assert top.layers == [0, 2]
     assert top.ids.shape == top.probs.shape == (2, 1, tokens.shape[1])
     full = logit_lens(model, cache, [2])[0]
-    assert torch.equal(top.ids[1], full.argmax(-1))
-    torch.testing.assert_close(top.probs[1], full.softmax(-1).max(-1).values)
+    assert torch.equal(top.ids[1], full.argmax(-1).cpu())  # the top tokens come back on the CPU
+    torch.testing.assert_close(top.probs[1], full.softmax(-1).max(-1).values.cpu())
 
 
 def test_lens_padding_is_zero(model):

@@ -152,7 +152,7 @@ def test_cache_select_to_and_save(model, tmp_path):
     two.save(tmp_path / "c.safetensors")
     back = Cache.load(tmp_path / "c.safetensors")
     assert back.selected and torch.equal(back.positions, two.positions)
-    assert torch.equal(back["resid_post.1"], two["resid_post.1"])
+    assert torch.equal(back["resid_post.1"], two["resid_post.1"].cpu())  # a loaded cache is on the CPU
 
 
 def test_dataset_of_last_tokens(model, tmp_path):
@@ -177,7 +177,7 @@ def test_dataset_of_last_tokens(model, tmp_path):
         first = i - i % 3  # the shard's own padded batch: the same computation as the build's
         batch = run_with_cache(model, model.tok.to_tokens(prompts[first : first + 3]), ["resid_post.1"])
         n = int(batch.lengths[i - first])
-        full = batch["resid_post.1"][i - first, :n]
+        full = batch["resid_post.1"][i - first, :n].cpu()  # a dataset is read back on the CPU
         assert t_table.column("position").to_pylist()[int(order_t[i])] == n - 1
         assert torch.equal(last[i], full[-1]) and torch.equal(ends[i], full[[0, n - 1]])
     with pytest.raises(InputError, match="out of range"):

@@ -16,6 +16,8 @@ attn_out``): ``attn_out' = edited(resid_pre + attn_out) - resid_pre``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -28,6 +30,23 @@ from ..positions import Selection, gather_positions
 from . import attention
 from .attention_edits import AttentionEditor
 from .heads import split_heads
+
+
+def _on_device(planned: Planned, device: torch.device) -> Planned:
+    """``planned`` with its edit's tensors on ``device``, moved once per request: a copy from host
+    memory waits for the GPU, so moving a vector at every hook call would stall every layer of
+    every forward (and every decode step)."""
+    edit = planned.edit
+    if not dataclasses.is_dataclass(edit):  # a function edit: it places its own tensors
+        return planned
+    tensors = {f.name: getattr(edit, f.name) for f in dataclasses.fields(edit)}
+    tensors = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.device != device}
+    if not tensors:
+        return planned
+    moved = copy.copy(edit)
+    for name, value in tensors.items():
+        object.__setattr__(moved, name, value.to(device))  # the edit types are frozen
+    return dataclasses.replace(planned, edit=moved)
 
 
 class StopForward(Exception):
@@ -75,7 +94,8 @@ class Recorder:
         #: the absolute position of this forward's first row (a KV-cached decode step starts later)
         self.start = 0
         self._index: tuple | None = None
-        self.edits = edits or {}
+        device = next(hf_model.parameters()).device
+        self.edits = {a: _on_device(p, device) for a, p in (edits or {}).items()}
         # hook key -> the edits applied there, in forward order; layer -> its (edited) input
         self._edit_at: dict[tuple, list[Address]] = defaultdict(list)
         self._stash: dict[tuple, int] = {}
@@ -106,13 +126,15 @@ class Recorder:
         if address in self._wanted:
             if self.positions is not None:
                 axis = address.query_axis
-                tensor = gather_positions(tensor, self._rows(tensor.shape[axis]), axis=axis)
+                index, complete = self._rows(tensor.shape[axis], tensor.device)
+                tensor = gather_positions(tensor, index, axis=axis, complete=complete)
             self.chunks[address].append(tensor.detach() if self.detach else tensor)
 
-    def _rows(self, length: int) -> torch.Tensor:
-        """``[batch, k]``: which rows of this forward each sequence keeps (-1: none), computed once
-        per forward. Unselected rows are dropped here, before anything is copied or kept."""
-        key = (self.start, length)
+    def _rows(self, length: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """``[batch, k]`` on ``device``: which rows of this forward each sequence keeps (-1: none),
+        and whether every entry is a row; computed and moved once per forward, not at every hook.
+        Unselected rows are dropped here, before anything is copied or kept."""
+        key = (self.start, length, device)
         if self._index is None or self._index[0] != key:
             sel, start = self.positions, self.start
             kept = []
@@ -124,7 +146,7 @@ class Recorder:
             index = torch.full((len(kept), max(len(k) for k in kept)), -1, dtype=torch.long)
             for row, local in enumerate(kept):
                 index[row, : len(local)] = torch.tensor(local, dtype=torch.long)
-            self._index = (key, index)
+            self._index = (key, (index.to(device), bool((index >= 0).all())))
         return self._index[1]
 
     def _install(self) -> None:

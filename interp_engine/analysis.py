@@ -198,6 +198,6 @@ def logit_attribution(model, cache: Cache, tokens_or_directions, components: tor
     broadcastable(call, "components", components.shape[1:], final.shape, "components captured with this cache")
     scale = final_scale(model, final)
     direction = _directions(model, tokens_or_directions).to(scale.device, scale.dtype)
-    broadcastable(call, "the directions of tokens_or_directions", direction.shape, final.shape,
+    broadcastable(call, "tokens_or_directions (read as directions)", direction.shape, final.shape,
                   "an id, ids [batch, pos] or a direction [d_model] / [batch, pos, d_model]")
     return (components.to(scale.device) * scale * direction).sum(-1)

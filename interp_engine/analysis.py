@@ -53,7 +53,7 @@ def stack(cache: Cache, site: str, layers=None) -> torch.Tensor:
     layers = held if layers is None else list(layers)
     missing = [L for L in layers if L not in held]
     if not layers or missing:
-        raise KeyError(f"stack({site!r}) needs {site} at layers {missing or 'any'}; this cache holds {site} at "
+        raise MissingActivations(f"stack({site!r}) needs {site} at layers {missing or 'any'}; this cache holds {site} at "
                        f"{held or 'no layer'}. Capture the whole site: run_with_cache(model, tokens, [{site!r}])")
     return torch.stack([cache.get(site, L) for L in layers])
 

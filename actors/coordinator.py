@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import chunk_bounds, join_rows
 from interp_engine.cluster_errors import user_error
 from interp_engine.dataset_shard import ShardSpec, ShardStats
 from interp_engine.tokens import unpad
 
+from .replica import ray_task_cancelled
 from .scheduler import ReplicaDied, Scheduler, Shard
 from .wire import Captured, Generated, pack_dict
 
@@ -141,10 +143,12 @@ class RayExecutor:
 
     def result(self, future) -> Any:
         import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, TaskCancelledError
 
         try:
             return ray.get(future)
+        except TaskCancelledError:  # ray.cancel of the request reached this call before it started
+            raise cancel.Cancelled("the capture was cancelled by its caller before this replica ran it") from None
         except ActorUnavailableError as err:  # restarting (max_restarts): the new process takes later calls
             raise ReplicaDied(-1, type(err).__name__, restarting=True) from None
         except RayActorError as err:
@@ -164,11 +168,15 @@ def coordinator_actor():
             self.core = CoordinatorCore(RayExecutor(handles), len(handles), batched=batched,
                                         per_replica=per_replica, names=names)
 
+        # A cancelled request (ray.cancel from the caller) stops scheduling here; Ray passes the
+        # cancellation on to the replica calls it made, which stop between decode steps.
         def run(self, tokens, points, positions=None, edits=None):
-            return self.core.run(tokens, points, positions, edits)
+            with cancel.watching(ray_task_cancelled):
+                return self.core.run(tokens, points, positions, edits)
 
         def generate(self, tokens, points, options, positions=None, edits=None):
-            return self.core.generate(tokens, points, options, positions, edits)
+            with cancel.watching(ray_task_cancelled):
+                return self.core.generate(tokens, points, options, positions, edits)
 
         def build(self, build_id, spec, source, skip):
             return self.core.build(build_id, spec, source, skip)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import run_padded
 from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
@@ -58,6 +59,10 @@ class ReplicaFacts:
 
 
 class ReplicaCore:
+    #: the stop check its capture calls run under (see :mod:`interp_engine.cancel`); the Ray
+    #: actor reads Ray's cancellation flag of the running call, a plain core never stops
+    stop_check = None
+
     def __init__(self, spec: ReplicaSpec, index: int = 0, node: str = ""):
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
@@ -86,7 +91,8 @@ class ReplicaCore:
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
         are ever returned. ``edits``: plain data (:func:`interp_engine.edits_wire.to_plain`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
+        with cancel.watching(self.stop_check):
+            cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
         captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
         return captured
@@ -94,8 +100,9 @@ class ReplicaCore:
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None) -> Generated:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
-                                                          positions=positions, edits=from_plain(edits), **options)
+        with cancel.watching(self.stop_check):
+            completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
+                                                              positions=positions, edits=from_plain(edits), **options)
         generated = Generated(completion.text, list(completion.token_ids), completion.finish_reason,
                               pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += generated.nbytes
@@ -126,14 +133,27 @@ def _held(cache) -> np.ndarray | None:
     return cache.positions.numpy() if cache.selected else None
 
 
+def ray_task_cancelled() -> bool:
+    """Whether ``ray.cancel`` was called on the Ray task running this code (a sync or threaded
+    actor's call keeps running after ``ray.cancel``: it has to look at this flag itself)."""
+    import ray
+
+    return ray.get_runtime_context().is_canceled()
+
+
 def replica_actor():
     """The Ray actor class around :class:`ReplicaCore` (made on first use: importing this module
     never touches Ray)."""
     import ray
 
-    @ray.remote
+    # Declaring a concurrency group (even one no method uses) makes Ray queue the calls in its own
+    # scheduler instead of the worker's ordered queue (calls still run one at a time); there
+    # ``ray.cancel`` drops calls that have not started. Seen on Ray 2.60: without it, calls
+    # queued behind a running one ran after ``ray.cancel`` all the same.
+    @ray.remote(concurrency_groups={"control": 1})
     class ReplicaActor(ReplicaCore):
         def __init__(self, spec: ReplicaSpec, index: int):
             super().__init__(spec, index, ray.get_runtime_context().get_node_id())
+            self.stop_check = ray_task_cancelled
 
     return ReplicaActor

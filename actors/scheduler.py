@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
+from interp_engine import cancel
 from interp_engine.cluster_errors import ShardFailed
 
 from .wire import relabel, where
@@ -67,8 +68,9 @@ class Executor(Protocol):
 PROBE_EVERY_S = 0.5  # how often a restarting replica is asked whether it is back
 RESTART_TIMEOUT_S = 600.0  # a replica still restarting after this long counts as gone
 
-#: errors that come from the request itself: retrying cannot help, so they fail at once
-_DETERMINISTIC = (ValueError, TypeError, KeyError)
+#: errors that come from the request itself (or its caller gave up): retrying cannot help, so
+#: they fail at once
+_DETERMINISTIC = (ValueError, TypeError, KeyError, cancel.Cancelled)
 
 
 class Scheduler:
@@ -101,6 +103,7 @@ class Scheduler:
         done: set[int] = set()
         exhausted = False
         while True:
+            cancel.checkpoint("while its shards were scheduled")  # submit nothing more for a cancelled call
             now = time.monotonic()
             for replica in [r for r, t in due.items() if t <= now]:
                 del due[replica]

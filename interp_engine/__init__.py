@@ -18,7 +18,10 @@ from .analysis import final_scale as final_scale
 from .analysis import head_contributions as head_contributions
 from .analysis import logit_attribution as logit_attribution
 from .analysis import stack as stack
+from .analysis_checks import AnalysisError as AnalysisError
+from .analysis_checks import MissingActivations as MissingActivations
 from .cache import Cache as Cache
+from .cache import CacheFileError as CacheFileError
 from .compare import relative_error as relative_error
 from .cluster import ClusterError as ClusterError
 from .cluster import ShardFailed as ShardFailed

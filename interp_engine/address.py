@@ -12,6 +12,7 @@ is checked by :func:`check_points` against the model's :class:`ModelInfo`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable
 from typing import Union
 
@@ -266,17 +267,25 @@ def _expand(point, info: ModelInfo, backend: str, unserved) -> list[Address]:
     return [to_address(point)]
 
 
+def _one_tuple(points) -> bool:
+    """Whether ``points`` is one address in tuple form, ``(name, layer[, stream])``: the tuple
+    ``to_address`` reads, so ``points=("resid_post", 1)`` is that one point, as ``"resid_post.1"``
+    is (not the site ``resid_post`` and a point ``1``)."""
+    return (isinstance(points, tuple) and 2 <= len(points) <= 3 and isinstance(points[0], str)
+            and all(isinstance(x, numbers.Integral) for x in points[1:]))
+
+
 def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> list[Address]:
     """Turn the user's point list into Addresses, checked against the model.
 
     A point is an Address, its string form, a tuple, a whole site (``"resid_post"``: every
     layer; ``"resid_streams.5"``: every stream of layer 5) or a filter (a callable taking an
-    Address). Whole sites and filters expand in forward order (see :func:`all_points`), the same
+    Address). One point may be given without a list (``"resid_post.1"``, ``("resid_post", 1)``). Whole sites and filters expand in forward order (see :func:`all_points`), the same
     on every backend. Duplicates are dropped (the first occurrence keeps its place): asking twice
     for a point captures it once.
     """
     unserved = set(unserved)
-    if isinstance(points, (str, Address)) or callable(points):
+    if isinstance(points, (str, Address)) or callable(points) or _one_tuple(points):
         points = [points]
     if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
         raise AddressError(

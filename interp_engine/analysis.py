@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from .address import Address
+from .analysis_checks import (AnalysisError, MissingActivations, broadcastable, check_layer, check_width,
+                              layer_count, require_held, token_ids)
 from .cache import Cache
 from .protocol import HasOProj, HasUnembedding, require
 
@@ -24,7 +26,14 @@ def head_contributions(model, cache: Cache, layer: int) -> torch.Tensor:
     """
     require(model, HasOProj, "head_contributions", "each layer's attention output projection (model.o_proj_weight)",
             ("o_proj_weight",))
+    n = model.n_layers
+    layer = check_layer("head_contributions", layer, n - 1, f"the last of {n} layers")
+    require_held("head_contributions", cache, [Address("z", layer)],
+                 f"capture it: run_with_cache(model, tokens, ['z.{layer}'])")
     z = cache.get("z", layer)  # [b, p, h, d_head]
+    if tuple(z.shape[-2:]) != (model.n_heads, model.d_head):
+        raise AnalysisError(f"head_contributions: z.{layer} in this cache is {tuple(z.shape[-2:])} (heads, d_head), "
+                            f"but {model.name} has ({model.n_heads}, {model.d_head}): it comes from another model")
     weight = model.o_proj_weight(layer)  # [d_model, h * d_head]
     w = weight.reshape(weight.shape[0], model.n_heads, model.d_head).to(z.dtype)
     return torch.einsum("bphd,mhd->bphm", z, w.to(z.device))
@@ -44,29 +53,29 @@ def stack(cache: Cache, site: str, layers=None) -> torch.Tensor:
     layers = held if layers is None else list(layers)
     missing = [L for L in layers if L not in held]
     if not layers or missing:
-        raise KeyError(f"stack({site!r}) needs {site} at layers {missing or 'any'}; this cache holds {site} at "
+        raise MissingActivations(f"stack({site!r}) needs {site} at layers {missing or 'any'}; this cache holds {site} at "
                        f"{held or 'no layer'}. Capture the whole site: run_with_cache(model, tokens, [{site!r}])")
     return torch.stack([cache.get(site, L) for L in layers])
 
 
+def _resid_pre_address(cache: Cache, layer: int) -> Address | None:
+    """Where the cache holds the stream entering ``layer``: ``resid_pre.L``, or ``resid_post.(L-1)``,
+    which is the same tensor (None where it holds neither)."""
+    if Address("resid_pre", layer) in cache:
+        return Address("resid_pre", layer)
+    if layer > 0 and Address("resid_post", layer - 1) in cache:
+        return Address("resid_post", layer - 1)
+    return None
+
+
 def _resid_pre(cache: Cache, layer: int) -> torch.Tensor:
     """``resid_pre.L``, or ``resid_post.(L-1)``, which is the same tensor."""
-    if Address("resid_pre", layer) in cache:
-        return cache.get("resid_pre", layer)
-    if layer > 0 and Address("resid_post", layer - 1) in cache:
-        return cache.get("resid_post", layer - 1)
+    address = _resid_pre_address(cache, layer)
+    if address is not None:
+        return cache[address]
     need = "'resid_pre.0' (the embedding)" if layer == 0 else f"'resid_pre.{layer}' or 'resid_post.{layer - 1}'"
-    raise KeyError(f"the residual stream entering layer {layer} is not in this cache: capture {need}, "
-                   f"e.g. run_with_cache(model, tokens, ['resid_pre.0', 'resid_post'])")
-
-
-def _n_layers(cache: Cache, model) -> int:
-    if model is not None:
-        return model.n_layers
-    layered = [a.layer for a in cache if a.layer is not None and a.name in ("resid_pre", "resid_post")]
-    if not layered:
-        raise KeyError("this cache holds no resid_pre / resid_post; capture them, or pass model= for n_layers")
-    return max(layered) + 1
+    raise MissingActivations(f"the residual stream entering layer {layer} is not in this cache: capture {need}, "
+                             f"e.g. run_with_cache(model, tokens, ['resid_pre.0', 'resid_post'])")
 
 
 def accumulated_resid(cache: Cache, layer: int | None = None, *, apply_ln: bool = False, model=None,
@@ -79,38 +88,47 @@ def accumulated_resid(cache: Cache, layer: int | None = None, *, apply_ln: bool 
     ``apply_ln=True`` puts each entry through the model's final norm (needs ``model``): each entry
     is a whole residual stream, so this is the logit lens's input at every depth.
     """
-    n = _n_layers(cache, model)
-    last = n if layer is None else layer
-    if not 0 <= last <= n:
-        raise ValueError(f"layer={layer} is out of range: 0..{n} (n_layers={n} means the final resid_post)")
-    rows = [_resid_pre(cache, L) for L in range(min(last + 1, n))]
+    if apply_ln and model is None:
+        raise AnalysisError("apply_ln=True needs the model's final norm: accumulated_resid(cache, ..., model=model)")
+    n, known = layer_count(cache, model)
+    last = n if layer is None else check_layer("accumulated_resid", layer, n, "the final resid_post", known)
+    entries = range(min(last + 1, n))
+    missing = [L for L in entries if _resid_pre_address(cache, L) is None]
+    require_held("accumulated_resid", cache,
+                 [Address("resid_pre", L) for L in missing] + ([Address("resid_post", n - 1)] if last == n else []),
+                 "capture 'resid_pre.0' (the embedding) and 'resid_post' (resid_post.L stands for "
+                 "resid_pre.(L+1)): run_with_cache(model, tokens, ['resid_pre.0', 'resid_post'])")
+    rows = [_resid_pre(cache, L) for L in entries]
     labels = [f"resid_pre.{L}" for L in range(len(rows))]
     if last == n:
         rows.append(cache.get("resid_post", n - 1))
         labels.append(f"resid_post.{n - 1}")
     out = torch.stack(rows)
     if apply_ln:
-        if model is None:
-            raise ValueError("apply_ln=True needs the model's final norm: accumulated_resid(cache, ..., model=model)")
+        check_width("accumulated_resid", out, model, "the residual stream in this cache")
         with torch.no_grad():
             out = model.final_norm(out)
     return (out, labels) if return_labels else out
 
 
-def decompose_resid(cache: Cache, layer: int | None = None, *, return_labels: bool = False):
+def decompose_resid(cache: Cache, layer: int | None = None, *, model=None, return_labels: bool = False):
     """The residual stream entering ``layer`` (default: the final ``resid_post``) as the sum of what
     wrote it: the embedding (``resid_pre.0``), then ``attn_out.L`` and ``mlp_out.L`` of every
     earlier layer, ``[components, batch, pos, d_model]``. Summed over components it is that
-    residual stream."""
-    n = max([a.layer for a in cache if a.name in ("attn_out", "mlp_out")], default=-1) + 1
-    upto = n if layer is None else layer
-    rows, labels = [_resid_pre(cache, 0)], ["embed"]
-    for L in range(upto):
-        for site in ("attn_out", "mlp_out"):
-            if Address(site, L) not in cache:
-                raise KeyError(f"decompose_resid needs '{site}.{L}'; capture ['resid_pre.0', 'attn_out', 'mlp_out']")
-            rows.append(cache.get(site, L))
-            labels.append(f"{site}.{L}")
+    residual stream.
+
+    ``layer`` runs over ``0..n_layers`` (``n_layers``: the final ``resid_post``). ``n_layers`` is
+    the model's where ``model=`` is given, else read from the deepest layer the cache holds
+    anything at. A cache that lacks a component is refused, naming what it lacks."""
+    n, known = layer_count(cache, model)
+    upto = n if layer is None else check_layer("decompose_resid", layer, n, "the final resid_post", known)
+    needed = [Address("resid_pre", 0)] + [Address(site, L) for L in range(upto) for site in ("attn_out", "mlp_out")]
+    require_held(f"decompose_resid (layer={upto})", cache, needed,
+                 "capture them: run_with_cache(model, tokens, ['resid_pre.0', 'attn_out', 'mlp_out'])")
+    rows, labels = [cache[needed[0]]], ["embed"]
+    for address in needed[1:]:
+        rows.append(cache[address])
+        labels.append(str(address))
     out = torch.stack(rows)
     return (out, labels) if return_labels else out
 
@@ -123,6 +141,7 @@ def final_scale(model, resid: torch.Tensor) -> torch.Tensor:
     multiplies by a gain per feature. Frozen at the final residual, that is linear, so the
     components of a decomposition can each be put through it and still sum to
     ``final_norm(resid)`` (the usual way of attributing logits to components)."""
+    check_width("final_scale", resid, model, "the residual stream")
     with torch.no_grad():
         normed = model.final_norm(resid)
         gain = model.final_norm(torch.ones(resid.shape[-1], dtype=resid.dtype)).to(normed.device)
@@ -135,16 +154,19 @@ def final_scale(model, resid: torch.Tensor) -> torch.Tensor:
 def _directions(model, target) -> torch.Tensor:
     """Unembedding directions ``[..., d_model]`` for token ids (an int, a list or a tensor of
     ids), a single-token string, or directions given as a float tensor."""
+    call = "logit_attribution"
     if isinstance(target, str):
         ids = model.tok.encode(target, prepend_bos=False)
         if len(ids) != 1:
-            raise ValueError(f"{target!r} is {len(ids)} tokens {model.to_str_tokens(ids)}; pass one token or its id")
+            raise AnalysisError(f"{call}: {target!r} is {len(ids)} tokens {model.to_str_tokens(ids)}; "
+                                f"pass one token or its id")
         target = ids[0]
-    target = torch.as_tensor(target)
-    if target.is_floating_point():
-        return target
     weight = model.unembed_weight().detach()
-    return weight[target.to(weight.device).long()]
+    ids = token_ids(call, target, weight.shape[0])
+    if ids.is_floating_point():
+        check_width(call, ids, model, "the direction given")
+        return ids
+    return weight[ids.to(weight.device)]
 
 
 def logit_attribution(model, cache: Cache, tokens_or_directions, components: torch.Tensor | None = None):
@@ -161,10 +183,21 @@ def logit_attribution(model, cache: Cache, tokens_or_directions, components: tor
     require(model, HasUnembedding, "logit_attribution",
             "the model's final norm and unembedding (model.final_norm and model.unembed_weight)",
             ("final_norm", "unembed_weight"))
-    n = _n_layers(cache, model)
+    call = "logit_attribution"
+    n = model.n_layers
+    require_held(call, cache, [Address("resid_post", n - 1)],
+                 f"it reads the final residual stream resid_post.{n - 1}: capture it with the components")
     final = cache.get("resid_post", n - 1)
+    check_width(call, final, model, f"resid_post.{n - 1} in this cache")
     if components is None:
-        components = decompose_resid(cache)
+        components = decompose_resid(cache, model=model)
+    elif not isinstance(components, torch.Tensor) or components.dim() < 2:
+        raise AnalysisError(f"{call}: components must be a tensor [components, ..., d_model] (e.g. "
+                            f"decompose_resid(cache, model=model)), got {type(components).__name__}")
+    check_width(call, components, model, "components")
+    broadcastable(call, "components", components.shape[1:], final.shape, "components captured with this cache")
     scale = final_scale(model, final)
     direction = _directions(model, tokens_or_directions).to(scale.device, scale.dtype)
+    broadcastable(call, "tokens_or_directions (read as directions)", direction.shape, final.shape,
+                  "an id, ids [batch, pos] or a direction [d_model] / [batch, pos, d_model]")
     return (components.to(scale.device) * scale * direction).sum(-1)

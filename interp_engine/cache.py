@@ -17,15 +17,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .address import Address, AddressLike, format_address, parse_address, to_address
+from .address import Address, AddressError, AddressLike, format_address, parse_address, to_address
+from .tokens import InputError
 
 _TOKENS = "__tokens__"
 _MASK = "__mask__"
 _POSITIONS = "__positions__"
+_FORMAT = "interp_engine.cache/1"
+
+
+class CacheFileError(InputError):
+    """A file :meth:`Cache.load` cannot read as a cache: not one, damaged, or inconsistent
+    (the message names the file and what is wrong with it)."""
 
 
 class Cache(Mapping):
@@ -146,7 +154,7 @@ class Cache(Mapping):
         if self._positions is not None:
             tensors[_POSITIONS] = self._positions.contiguous().cpu()
         metadata = {
-            "format": "interp_engine.cache/1",
+            "format": _FORMAT,
             "model_name": self.model_name,
             "backend": self.backend,
             "order": json.dumps([format_address(a) for a in self._data]),
@@ -155,15 +163,87 @@ class Cache(Mapping):
 
     @classmethod
     def load(cls, path) -> "Cache":
-        """Read a cache written by :meth:`save`."""
-        from safetensors import safe_open
+        """Read a cache written by :meth:`save`. A file that is not one, is damaged (truncated,
+        edited) or holds tensors whose shapes disagree is refused with :class:`CacheFileError`."""
+        metadata, tensors = _read(path)
+        data = _activations(path, metadata, tensors)
+        tokens, mask, positions = tensors[_TOKENS], tensors[_MASK], tensors.get(_POSITIONS)
+        _check_shapes(path, data, tokens, mask, positions)
+        return cls(data, tokens, mask, str(metadata.get("model_name", "")), str(metadata.get("backend", "")),
+                   positions)
 
+
+def _read(path) -> tuple[dict, dict]:
+    """The metadata and tensors of a safetensors file, or a :class:`CacheFileError`."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        raise CacheFileError(f"{path}: {'is a folder' if Path(path).is_dir() else 'no such file'}; "
+                             f"pass the path of a file written by cache.save(path)")
+    try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-        if metadata.get("format") != "interp_engine.cache/1":
-            raise ValueError(f"{path} is not an interp_engine cache (no 'format' metadata)")
+            if metadata.get("format") != _FORMAT:
+                raise CacheFileError(f"{path} is not an interp_engine cache (no 'format' metadata of {_FORMAT!r}); "
+                                     f"read it with safetensors, or save a cache with cache.save(path)")
         tensors = load_file(str(path))
-        order = json.loads(metadata["order"])
+    except (SafetensorError, OSError, MemoryError, ValueError, TypeError) as err:
+        if isinstance(err, CacheFileError):
+            raise
+        raise CacheFileError(f"{path} cannot be read as a safetensors file ({type(err).__name__}: {err}); it is "
+                             f"damaged or truncated: save the cache again with cache.save(path)") from None
+    return metadata, tensors
+
+
+def _inconsistent(path, problem: str) -> CacheFileError:
+    return CacheFileError(f"{path} is not a consistent interp_engine cache: {problem}; it was edited or "
+                          f"damaged: save the cache again with cache.save(path)")
+
+
+def _activations(path, metadata: dict, tensors: dict) -> dict[Address, torch.Tensor]:
+    """The activations the file's ``order`` names, checked against the tensors it holds."""
+    try:
+        order = json.loads(metadata.get("order", ""))
+    except json.JSONDecodeError:
+        raise _inconsistent(path, "its 'order' metadata is not JSON") from None
+    if not isinstance(order, list) or not all(isinstance(k, str) for k in order):
+        raise _inconsistent(path, "its 'order' metadata is not a list of addresses")
+    for key in (_TOKENS, _MASK):
+        if key not in tensors:
+            raise _inconsistent(path, f"it holds no {key} tensor")
+    absent = [k for k in order if k not in tensors]
+    if absent:
+        raise _inconsistent(path, f"its order names {absent[:5]}, which it holds no tensor for")
+    extra = sorted(set(tensors) - set(order) - {_TOKENS, _MASK, _POSITIONS})
+    if extra:
+        raise _inconsistent(path, f"it holds tensors its order does not name: {extra[:5]}")
+    try:
         data = {parse_address(k): tensors[k] for k in order}
-        return cls(data, tensors[_TOKENS], tensors[_MASK], metadata["model_name"], metadata["backend"],
-                   tensors.get(_POSITIONS))
+    except AddressError as err:
+        raise _inconsistent(path, f"an entry of its order is not an address ({err})") from None
+    if len(data) != len(order):
+        raise _inconsistent(path, "its order names an address twice")
+    return data
+
+
+def _check_shapes(path, data: dict, tokens: torch.Tensor, mask: torch.Tensor, positions) -> None:
+    """Tokens ``[batch, pos]`` of ints; the mask (and the positions held, if any) of one shape;
+    every activation ``[batch, ...]`` with the held positions on its position axis."""
+    if tokens.dim() != 2 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise _inconsistent(path, f"its tokens are {tuple(tokens.shape)} {tokens.dtype}, not [batch, pos] integer ids")
+    held = tokens.shape if positions is None else positions.shape
+    if positions is not None and (positions.dim() != 2 or positions.shape[0] != tokens.shape[0]
+                                  or positions.is_floating_point()):
+        raise _inconsistent(path, f"its positions {tuple(positions.shape)} {positions.dtype} are not [batch, held] integers for "
+                  f"tokens {tuple(tokens.shape)}")
+    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(held):
+        raise _inconsistent(path, f"its mask is {tuple(mask.shape)} {mask.dtype}, but its "
+                  f"{'tokens' if positions is None else 'positions'} are {tuple(held)} (the mask is a bool "
+                  f"tensor of that shape)")
+    batch, width = held
+    for address, tensor in data.items():
+        axis = address.query_axis
+        if tensor.dim() <= axis or tensor.shape[0] != batch or tensor.shape[axis] != width:
+            raise _inconsistent(path, f"{format_address(address)} is {tuple(tensor.shape)}, but the cache holds {batch} rows "
+                      f"of {width} positions (its {address.name} tensor is [batch, {'heads, ' * (axis - 1)}"
+                      f"pos, ...])")

@@ -171,15 +171,30 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
             self._weights = self._get(self._replicas[0].weights_sha256.remote())
         return {"weights_sha256": self._weights, "model_dtype": self.replica_facts[0].model_dtype}
 
+    # A caller that gives up (a cancelled await, Ctrl-C) cancels the request on the cluster:
+    # the coordinator stops scheduling it and the replicas stop between decode steps (Ray passes
+    # the cancellation on to the calls the coordinator made), so later calls do not queue behind it.
     def _get(self, ref):
         import ray
 
-        with _user_errors():
-            return ray.get(ref)
+        try:
+            with _user_errors():
+                return ray.get(ref)
+        except KeyboardInterrupt:
+            ray.cancel(ref)
+            raise
 
     async def _await(self, ref):
-        with _user_errors():
-            return await ref
+        import asyncio
+
+        import ray
+
+        try:
+            with _user_errors():
+                return await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)
+            raise
 
     @staticmethod
     def _points(addresses: list[Address]) -> list[str]:

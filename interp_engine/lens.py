@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .address import Address
+from .analysis_checks import AnalysisError, MissingActivations, check_layer, check_width
 from .cache import Cache
 from .protocol import HasUnembedding, require
 
@@ -31,19 +32,27 @@ class LensTop(NamedTuple):
     layers: list[int]
 
 
-def _lens_layers(cache: Cache, layers) -> list[int]:
+def _lens_layers(model, cache: Cache, layers) -> list[int]:
     held = sorted(a.layer for a in cache if a.name == "resid_post")
     if layers is None:
         if not held:
-            raise KeyError(
+            raise MissingActivations(
                 "logit_lens reads resid_post.L, and this cache holds none. Capture them first: "
                 "run_with_cache(model, tokens, [Address('resid_post', L) for L in range(model.n_layers)])"
             )
         return held
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise AnalysisError(f"logit_lens: layers must be a list of layers (e.g. layers=[{held[-1] if held else 0}]) "
+                            f"or None for every layer whose resid_post the cache holds, got {layers!r:.40}")
     layers = list(layers)
+    if not layers:
+        raise AnalysisError(f"logit_lens: layers=[] names no layer; pass None for every layer whose resid_post "
+                            f"this cache holds ({held or 'none'}), or a list such as [{held[0] if held else 0}]")
+    n = getattr(model, "n_layers", None) or (held[-1] + 1 if held else 1)
+    layers = [check_layer("logit_lens", L, n - 1, f"the last of {n} layers") for L in layers]
     missing = [L for L in layers if L not in held]
     if missing:
-        raise KeyError(
+        raise MissingActivations(
             f"logit_lens needs resid_post at layers {missing}, which this cache does not hold "
             f"(it holds resid_post at {held or 'no layer'}); add them to the points you capture"
         )
@@ -63,8 +72,9 @@ def logit_lens(model, cache: Cache, layers=None) -> torch.Tensor:
     """
     _check_model(model)
     rows = []
-    for layer in _lens_layers(cache, layers):
+    for layer in _lens_layers(model, cache, layers):
         resid = cache[Address("resid_post", layer)]
+        check_width("logit_lens", resid, model, f"resid_post.{layer} in this cache")
         logits = model.unembed(model.final_norm(resid))
         real = cache.mask[..., None].to(logits.device)
         rows.append(logits.masked_fill(~real, 0.0))
@@ -78,7 +88,7 @@ def lens_top(model, cache: Cache, layers=None) -> LensTop:
     Layer by layer, so memory stays at one ``[batch, pos, vocab]`` block, however many layers.
     """
     _check_model(model)
-    layers = _lens_layers(cache, layers)
+    layers = _lens_layers(model, cache, layers)
     ids, probs = [], []
     for layer in layers:
         logits = logit_lens(model, cache, [layer])[0].float()

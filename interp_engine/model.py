@@ -8,11 +8,11 @@ and nothing else.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import torch
 
+from . import cancel
 from .address import Address, AddressLike, ModelInfo, all_points, check_points
 from .cache import Cache
 from .edits import Planned, check_edits
@@ -209,8 +209,7 @@ class CaptureModel:
 
     async def _generate_async(self, tokens, addresses, options: Sampling, *,
                               positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
-        return await asyncio.to_thread(lambda: self._generate(tokens, addresses, options, positions=positions,
-                                                              edits=edits))
+        return await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions, edits=edits)
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,

@@ -7,12 +7,12 @@ after the last requested layer when the logits are not asked for.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 
 import torch
 
+from .. import cancel
 from ..address import Address
 from ..archs import arch_for, model_info, unserved_sites
 from ..cache import Cache
@@ -100,6 +100,7 @@ class EagerModel(CaptureModel):
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
         with self._lock, self._grad_context(detach):
+            cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs
             with self._recorder(addresses, detach=detach, stop_early=not want_logits,
                                 positions=positions, edits=edits) as recorder:
                 try:
@@ -131,7 +132,8 @@ class EagerModel(CaptureModel):
         with self._lock, torch.no_grad():
             with self._recorder(addresses, detach=True, stop_early=False, positions=positions,
                                 edits=edits) as recorder:
-                for _ in range(options.max_tokens):
+                for step in range(options.max_tokens):
+                    cancel.checkpoint(f"after {step} of {options.max_tokens} decode steps")
                     start = recorder.start = past.get_seq_length()
                     position = torch.arange(start, start + step_ids.shape[1], device=self.device)
                     out = self.hf(input_ids=step_ids, position_ids=position[None], past_key_values=past,
@@ -151,11 +153,11 @@ class EagerModel(CaptureModel):
 
     async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
         if options is None:
-            cache = await asyncio.to_thread(self._run, tokens, addresses, detach=True, positions=positions,
-                                            edits=edits)
+            cache = await cancel.in_thread(self._run, tokens, addresses, detach=True, positions=positions,
+                                           edits=edits)
         else:
-            _, cache = await asyncio.to_thread(self._generate, tokens, addresses, options, positions=positions,
-                                               edits=edits)
+            _, cache = await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions,
+                                              edits=edits)
         return cache.to_dict()
 
     def close(self):

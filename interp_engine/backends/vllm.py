@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from .. import cancel
 from ..address import Address
 from ..archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
 from ..cache import Cache
@@ -134,11 +135,11 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
                 "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
             )
-        finished = self._submit(tokens, addresses, None, positions, edits).result()
+        finished = cancel.wait(self._submit(tokens, addresses, None, positions, edits))
         return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
 
     def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = self._submit(tokens, addresses, options, positions, edits).result()
+        finished = cancel.wait(self._submit(tokens, addresses, options, positions, edits))
         return self._completion(finished, tokens, addresses, positions)
 
     async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):

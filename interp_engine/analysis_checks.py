@@ -1,0 +1,122 @@
+"""The checks the analysis helpers make on what they are given, and the errors they raise.
+
+An analysis helper reads a cache and the model's weights. Given a cache that lacks a tensor it
+needs, a layer out of range, a token id outside the vocabulary or a tensor of another model's
+width, torch would either fail deep inside with a size-mismatch or an index error, or — worse —
+compute something else without a word (``-1`` reads the last vocabulary row; ``True`` is layer 1;
+a cache without ``attn_out`` decomposes into the embedding alone). So every argument is checked
+here first, and the error says what is missing or wrong and how to fix it.
+
+Negative layers and token ids are refused for now (how a negative layer counts — from the last
+layer, or from the final residual stream — is decided elsewhere, for every helper at once).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .address import format_address
+from .cache import Cache
+from .tokens import InputError
+
+
+class AnalysisError(InputError):
+    """An argument an analysis helper cannot use (the message says what is wrong and what to pass)."""
+
+
+class MissingActivations(AnalysisError, KeyError):
+    """The cache lacks activations the helper needs (the message names them and what to capture).
+    Also a ``KeyError``, as a missing key of the cache is."""
+
+    __str__ = BaseException.__str__  # the message as written, not KeyError's quoted repr
+
+
+def layer_count(cache: Cache, model=None) -> tuple[int, str]:
+    """The model's number of layers and where it was read: from ``model``, else from the deepest
+    layer this cache holds anything at (a cache alone cannot know about deeper layers)."""
+    if model is not None:
+        return model.n_layers, f"{getattr(model, 'name', 'the model')} has {model.n_layers} layers"
+    layered = [a.layer for a in cache if a.layer is not None]
+    if not layered:
+        raise MissingActivations(
+            "this cache holds no per-layer activation, so the number of layers is unknown: capture the "
+            "points the helper needs, or pass model= so it reads the model's n_layers")
+    n = max(layered) + 1
+    return n, (f"this cache reaches layer {n - 1}, so it is read as a {n}-layer model; pass model= "
+               f"to use the model's own layer count")
+
+
+def check_layer(call: str, layer, n: int, meaning: str, known: str = "") -> int:
+    """``layer`` as an int in ``0..n`` (``meaning`` says what ``n`` is), or an error naming the range."""
+    valid = f"0..{n} ({n} = {meaning})"
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise AnalysisError(f"{call}: layer must be an int in {valid}, got {layer!r} ({type(layer).__name__})")
+    if layer < 0:
+        raise AnalysisError(f"{call}: layer={layer} is negative, and negative layers are not accepted here yet; "
+                            f"pass a layer in {valid}")
+    if layer > n:
+        raise AnalysisError(f"{call}: layer={layer} is out of range: layers are {valid}"
+                            f"{'; ' + known if known else ''}")
+    return int(layer)
+
+
+def require_held(call: str, cache: Cache, needed: list, fix: str) -> None:
+    """Refuse if the cache lacks any of ``needed`` (addresses), naming every one it lacks."""
+    missing = [a for a in needed if a not in cache]
+    if not missing:
+        return
+    names = [format_address(a) for a in missing]
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    held = ", ".join(format_address(a) for a in cache) or "nothing"
+    raise MissingActivations(f"{call} needs {listed}, which this cache does not hold (it holds {held}); {fix}")
+
+
+def check_width(call: str, tensor: torch.Tensor, model, what: str) -> None:
+    """Refuse ``tensor`` (``[..., d_model]``) if its width is not the model's ``d_model``."""
+    d_model = getattr(model, "d_model", None)
+    if d_model is None or tensor.shape[-1] == d_model:
+        return
+    raise AnalysisError(
+        f"{call}: {what} is {tensor.shape[-1]} wide, but {getattr(model, 'name', 'the model')} has "
+        f"d_model={d_model}: it comes from another model. Pass the model that captured the cache "
+        f"(and a cache captured from this model)")
+
+
+def token_ids(call: str, target, vocab: int) -> torch.Tensor:
+    """Token ids (an int, a list or an integer tensor) as a long tensor, each in ``0..vocab-1``."""
+    if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
+        raise AnalysisError(f"{call}: {target!r} is a bool, not a token id; pass an int id, ids, a "
+                            f"one-token string or a float direction")
+    try:
+        ids = torch.as_tensor(target)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise AnalysisError(f"{call}: cannot read {target!r:.60} as token ids or directions ({err}); pass an "
+                            f"int id, a list or tensor of ids, a one-token string or a float tensor") from None
+    if ids.dtype == torch.bool or ids.is_complex() or not (ids.is_floating_point() or _integer(ids)):
+        raise AnalysisError(f"{call}: token ids must be ints and directions real floats, got dtype {ids.dtype}")
+    if ids.is_floating_point():
+        return ids
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0:
+            raise AnalysisError(f"{call}: token id {low} is negative, and negative ids are not accepted here "
+                                f"(they would read the vocabulary from its end); ids are 0..{vocab - 1}")
+        if high >= vocab:
+            raise AnalysisError(f"{call}: token id {high} is outside the vocabulary of {vocab} tokens "
+                                f"(ids 0..{vocab - 1})")
+    return ids.long()
+
+
+def _integer(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def broadcastable(call: str, what: str, shape, to, expected: str) -> None:
+    """Refuse ``shape`` if it does not broadcast against ``to``."""
+    try:
+        torch.broadcast_shapes(tuple(shape), tuple(to))
+    except RuntimeError:
+        raise AnalysisError(f"{call}: {what} has shape {tuple(shape)}, which does not fit the cache's "
+                            f"{tuple(to)}; pass {expected}") from None

@@ -71,6 +71,7 @@ class Lease:
     def acquire(cls, store) -> "Lease":
         """Claim ``store``'s folder, or raise :class:`DatasetBusyError` (see the module docstring)."""
         lease = cls(store)
+        store.make_root()
         others: list[dict] = []
         for attempt in range(_ATTEMPTS):
             lease._write(held=False)
@@ -83,7 +84,7 @@ class Lease:
             store.delete(lease.name)
             holder = next((o for o in others if o.get("held")), None)
             if holder is not None:
-                raise DatasetBusyError(_busy(store, holder))
+                raise DatasetBusyError(busy_message(store, holder))
             time.sleep(random.uniform(0.02, 0.1) * (attempt + 1))
         raise DatasetBusyError(
             f"output {store.location()!r}: other builds kept starting there at the same time as this one "
@@ -141,6 +142,16 @@ class Lease:
         return live
 
 
+def holder(store) -> dict | None:
+    """The live lease of a build holding ``store``'s folder now, if any (read-only)."""
+    for name in sorted(store.list()):
+        if LEASE.match(name):
+            record = _read(store, name)
+            if record and record.get("held") and dead(record) is None:
+                return record
+    return None
+
+
 def _read(store, name: str):
     """A lease file's record; ``{}`` if it cannot be read as one, ``None`` if it is gone."""
     try:
@@ -182,7 +193,7 @@ def _who(record: dict) -> str:
     return f"build {record.get('build_id')} (process {record.get('pid')} on {record.get('host')!r})"
 
 
-def _busy(store, holder: dict) -> str:
+def busy_message(store, holder: dict) -> str:
     age = time.time() - holder.get("renewed", time.time())
     return (f"output {store.location()!r} is being written by another {_who(holder)}, which renewed its lease "
             f"{age:.0f}s ago; one build at a time writes a dataset folder. Wait for it to finish (then rerun: a "

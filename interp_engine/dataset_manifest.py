@@ -30,7 +30,7 @@ import warnings
 import weakref
 
 from .dataset_integrity import DatasetCorruptError
-from .dataset_names import LEASE, MANIFEST, SHARD, is_ours, is_temp, shard_name
+from .dataset_names import LEASE, MANIFEST, SHARD, is_ours, is_temp, is_unleased_temp, shard_name
 from .fingerprint import weights_fingerprint as weights_fingerprint
 
 #: 3: length-prefixed prompt hash, shard index in each file; 2: nested fixed-size lists, bf16 as exact float32
@@ -88,12 +88,13 @@ class Found:
     replace: bool  # another dataset (or a corrupt manifest) is there, and overwrite=True replaces it
 
 
-def inspect_output(store, identity: dict, *, overwrite: bool) -> Found:
+def inspect_output(store, identity: dict | None, *, overwrite: bool) -> Found:
     """Refuse an output this build must not write into; read-only.
 
     A file; a folder with files but no manifest; a different dataset (unless ``overwrite``); a
     dataset of an older format (unless ``overwrite``, which rebuilds it); a malformed manifest
-    (unless ``overwrite``). Otherwise say what is there.
+    (unless ``overwrite``). Otherwise say what is there. ``identity=None`` (not known yet: a job
+    checking before it loads the model) skips the comparisons that need it.
     """
     if store.is_file():
         raise DatasetExistsError(f"output {store.location()!r} is a file; pass a folder path for the dataset")
@@ -112,7 +113,7 @@ def inspect_output(store, identity: dict, *, overwrite: bool) -> Found:
                 f"dataset this engine wrote, and nothing there is touched. Pick an empty or new folder.")
         return Found(None, sizes, replace=False)
     old = manifest["identity"]
-    if old == identity:
+    if identity is None or old == identity:
         return Found(manifest, sizes, replace=False)
     if not overwrite:
         if old["format"] != identity["format"]:
@@ -138,7 +139,7 @@ def prepare_output(store, identity: dict, n_shards: int, *, overwrite: bool) -> 
     """
     found = inspect_output(store, identity, overwrite=overwrite)  # again: the folder may have changed
     sizes = dict(found.sizes)
-    doomed = [n for n in sizes if is_temp(n) or (found.replace and SHARD.match(n))]
+    doomed = [n for n in sizes if (is_temp(n) and not _in_flight(store, n)) or (found.replace and SHARD.match(n))]
     for name in sorted(doomed):
         store.delete(name)
         del sizes[name]
@@ -151,6 +152,18 @@ def prepare_output(store, identity: dict, n_shards: int, *, overwrite: bool) -> 
     names = {shard_name(i, n_shards): i for i in range(n_shards)}
     present = {names[n]: n for n in sizes if n in names}
     return dict((found.manifest or {}).get("shards") or {}), present, sizes
+
+
+def _in_flight(store, name: str) -> bool:
+    """Whether a temporary file may still be being written by a live build. Shard and manifest
+    files are written only by the holder of the folder's lease (this build); a probe or a lease
+    is written by every build that starts, so one is left unless it is older than a lease lives."""
+    from .dataset_lease import TTL_S
+
+    if not is_unleased_temp(name):
+        return False
+    age = store.age_s(name)
+    return age is not None and age < TTL_S
 
 
 def _names(names: list[str]) -> str:

@@ -24,6 +24,8 @@ _LEASE = r"_lease-[0-9a-f]{32}\.json"
 SHARD = re.compile(rf"^{_SHARD}$")
 LEASE = re.compile(rf"^{_LEASE}$")
 TEMP = re.compile(rf"^\.(?:{_SHARD}|_manifest\.json|{_LEASE}|write-check)\.tmp-[0-9a-f]{{12}}$")
+#: temporary files written by builds that do not hold the folder (yet): contenders' leases, probes
+UNLEASED_TEMP = re.compile(rf"^\.(?:{_LEASE}|write-check)\.tmp-[0-9a-f]{{12}}$")
 
 
 def shard_name(index: int, n_shards: int) -> str:
@@ -41,6 +43,10 @@ def temp_name(name: str) -> str:
 
 def is_temp(name: str) -> bool:
     return TEMP.match(name) is not None
+
+
+def is_unleased_temp(name: str) -> bool:
+    return UNLEASED_TEMP.match(name) is not None
 
 
 def is_ours(name: str) -> bool:

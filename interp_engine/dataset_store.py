@@ -73,6 +73,13 @@ class Store:
         info = self.fs.get_file_info(self.key(name))
         return info.size if info.type == pafs.FileType.File else None
 
+    def age_s(self, name: str) -> float | None:
+        """Seconds since ``name`` was last written (``None`` if it is gone)."""
+        import time
+
+        info = self.fs.get_file_info(self.key(name))
+        return None if info.type == pafs.FileType.NotFound or info.mtime is None else time.time() - info.mtime.timestamp()
+
     def read(self, name: str) -> bytes:
         with self.fs.open_input_stream(self.key(name)) as f:
             return f.read()

@@ -34,7 +34,10 @@ from .dataset import build_dataset as build_dataset
 from .dataset_export import export_saelens as export_saelens
 from .dataset_integrity import DatasetCorruptError as DatasetCorruptError
 from .dataset_integrity import DatasetRepairWarning as DatasetRepairWarning
+from .dataset_lease import DatasetBusyError as DatasetBusyError
+from .dataset_lease import DatasetLeaseWarning as DatasetLeaseWarning
 from .dataset_manifest import DatasetExistsError as DatasetExistsError
+from .dataset_manifest import DatasetForeignFilesWarning as DatasetForeignFilesWarning
 from .dataset_uri import StorageError as StorageError
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top

@@ -7,7 +7,7 @@ parallel). Either way the result is the same files: shard ``i`` holds prompts
 atomically on any store (:mod:`.dataset_store`). A rerun with the same arguments checks the
 shards already there (:mod:`.dataset_integrity`), rewrites any that fail, skips the rest and
 ends with the identical dataset; a different build into the same folder is refused unless
-``overwrite=True``. See :mod:`.dataset_shard` for the layouts and :mod:`.dataset_manifest` for
+``overwrite=True``, and a build while another is writing there is refused (:mod:`.dataset_lease`). See :mod:`.dataset_shard` for the layouts and :mod:`.dataset_manifest` for
 the provenance kept beside the shards.
 """
 
@@ -20,13 +20,14 @@ import numpy as np
 
 from .address import check_points, format_address
 from .dataset_integrity import Expected, identity_json, verify_existing
-from .dataset_manifest import FORMAT, prepare_output, tokenizer_fingerprint, write_manifest
+from .dataset_lease import Lease
+from .dataset_manifest import FORMAT, inspect_output, prepare_output, tokenizer_fingerprint, write_manifest
 from .dataset_prompts import PromptSource
 from .dataset_result import ActivationDataset as ActivationDataset
 from .dataset_result import where
 from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, shard_name, write_shard
 from .dataset_store import Store
-from .dataset_uri import check_access
+from .dataset_uri import check_access, check_writable
 from .positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
 from .protocol import WritesShards
 from .tokens import InputError
@@ -117,16 +118,32 @@ def build_dataset(
         "shuffle_seed": seed if shuffle else None,
     }
     check_access(store, explicit=filesystem is not None or isinstance(output, tuple))
+    inspect_output(store, identity, overwrite=overwrite)  # the refusals, before anything is written
+    check_writable(store)
+    lease = Lease.acquire(store)  # one build at a time in this folder (see dataset_lease)
+    try:
+        return _build(model, store, source, scan, identity, selection, lease, overwrite=overwrite,
+                      progress=progress, started=started)
+    finally:
+        lease.release()
+
+
+def _build(model, store: Store, source: PromptSource, scan, identity: dict, selection, lease: Lease, *,
+           overwrite: bool, progress: bool, started: float) -> ActivationDataset:
+    """The build proper, with the folder's lease held: clean up, check what a resume keeps,
+    capture the missing shards, and record each in the manifest."""
+    n_shards, shard_size, layout, stored = identity["n_shards"], identity["shard_size"], identity["layout"], identity["dtype"]
     records, present, sizes = prepare_output(store, identity, n_shards, overwrite=overwrite)
     spec = ShardSpec(store, tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
                      identity_json(identity), positions=selection,
                      held=width_bound(selection, scan.max_length) if selection is not None else 0,
-                     n_prompts=scan.count, shuffle_seed=seed if shuffle else None)
+                     n_prompts=scan.count, shuffle_seed=identity["shuffle_seed"])
     shard_tokens = _shard_tokens(scan, spec)
     expected = {i: Expected(_shard_rows(shard_tokens, scan, spec, i), spec.metadata) for i in present}
     good, repaired = verify_existing(store, present, sizes, records, expected)
     manifest = {"identity": identity, "status": "building", "prompts_source": source.label,
-                "shards": {shard_name(i, n_shards): rec for i, rec in good.items()}}
+                "build_id": lease.build_id, "shards": {shard_name(i, n_shards): rec for i, rec in good.items()}}
+    lease.check()
     write_manifest(store, manifest)
 
     stats = [ShardStats(i, _shard_prompts(scan, i, shard_size), shard_tokens[i], rec["rows"], rec["bytes"],
@@ -139,6 +156,7 @@ def build_dataset(
         manifest["shards"][shard_name(shard.index, n_shards)] = shard.record()
         new_tokens += shard.tokens
         if time.perf_counter() - last_saved > _SAVE_EVERY_S:  # records survive a driver kill
+            lease.check()
             write_manifest(store, manifest)
             last_saved = time.perf_counter()
         if bar is not None:
@@ -153,6 +171,7 @@ def build_dataset(
     result = {"rows": rows, "shards": n_shards, "prompts": scan.count, "tokens": scan.tokens,
               "files": [shard_name(i, n_shards) for i in range(n_shards)]}
     manifest.update(status="complete", result=result)
+    lease.check()
     write_manifest(store, manifest)
     return ActivationDataset(where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
                              tuple(repaired), store)

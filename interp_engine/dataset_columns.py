@@ -35,6 +35,8 @@ from .dtypes import as_bfloat16, dtype_name
 DTYPE_KEY = b"interp_engine.dtype"
 ADDRESS_KEY = b"interp_engine.address"
 SHAPE_KEY = b"interp_engine.shape"
+IDENTITY_KEY = b"interp_engine.manifest"  # schema metadata: the manifest identity, as JSON
+INDEX_KEY = b"interp_engine.shard"  # schema metadata: which shard the file is (format 3 on)
 
 
 def encode(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, str]:

@@ -2,6 +2,11 @@
 Ray Dataset. Every source is read as a stream, in order, so a build never holds more than a
 shard of prompts at once; :meth:`PromptSource.scan` reads it once up front to check it and to
 fingerprint it before any work starts.
+
+The fingerprint (``prompts_sha256`` in the manifest) hashes each prompt's UTF-8 bytes after
+its length (8 bytes, little-endian), so it names one list of prompts: ``["a\\0b", "c"]`` and
+``["a", "b\\0c"]`` differ. (Manifests before format 3 joined the prompts with NUL, which let two
+lists share a fingerprint; see :mod:`.dataset_manifest` for what happens to those datasets.)
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class PromptSource:
                                    f"with a {text_key!r} field, or a list of strings")
             suffix = path.suffix.lower()
             if suffix in (".jsonl", ".json", ".ndjson"):
+                if not path.is_file():
+                    raise PromptsError(f"prompts path {str(path)!r} is not a file; pass a .jsonl file (one JSON "
+                                       f"value per line)")
                 return cls("jsonl", str(path), text_key)
             if suffix == ".parquet" or path.is_dir():
                 return cls("parquet", str(path), text_key)
@@ -95,8 +103,19 @@ class PromptSource:
             options.preserve_order = previous
 
     def _jsonl(self) -> Iterator[str]:
-        with open(self.data, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        try:
+            f = open(self.data, "rb")
+        except OSError as err:
+            raise PromptsError(f"cannot read prompts file {self.data!r} ({err.strerror or err}); pass a readable "
+                               f".jsonl file") from None
+        with f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise PromptsError(f"{self.data}:{number}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                       f"{err.start + 1}); a .jsonl prompts file holds one UTF-8 JSON value per "
+                                       f"line") from None
                 if not line.strip():
                     continue
                 try:
@@ -112,9 +131,14 @@ class PromptSource:
                                        f"with a string {self.text_key!r} field")
 
     def _parquet(self) -> Iterator[str]:
+        import pyarrow as pa
         import pyarrow.dataset as pads
 
-        dataset = pads.dataset(self.data, format="parquet")
+        try:
+            dataset = pads.dataset(self.data, format="parquet")
+        except (OSError, pa.ArrowException) as err:
+            raise PromptsError(f"cannot read prompts from {self.data!r} as Parquet ({str(err).splitlines()[0][:200]}); "
+                               f"pass a Parquet file or folder with a {self.text_key!r} column, or a .jsonl file") from None
         if self.text_key not in dataset.schema.names:
             raise PromptsError(f"{self.data} has no {self.text_key!r} column (columns: "
                                f"{', '.join(dataset.schema.names)}); pass text_key=...")
@@ -161,8 +185,9 @@ class PromptSource:
             if n > n_ctx:
                 raise PromptsError(f"prompt {i} of {self.label} is {n} tokens, longer than the model's {n_ctx} "
                                    f"positions; shorten or drop it")
-            digest.update(text.encode("utf-8"))
-            digest.update(b"\0")
+            data = text.encode("utf-8")
+            digest.update(len(data).to_bytes(8, "little"))  # length-prefixed: no two prompt lists collide
+            digest.update(data)
             if count % shard_size == 0:
                 shard_tokens.append(0)
             shard_tokens[-1] += n

@@ -18,6 +18,10 @@ are captured: ``"token"`` has a row per kept position; ``"sequence"`` gets a ``p
 column (``[held]``, -1 past a prompt's own selection) and tensor columns ``[held, ...]``, where
 ``held`` is the most positions the selection can keep in any prompt of the dataset.
 
+Every file's schema metadata carries the manifest identity (``interp_engine.manifest``) and its
+shard index (``interp_engine.shard``), so a file copied in from another dataset, or from another
+shard of this one, is told apart by :mod:`.dataset_integrity` whatever its manifest record says.
+
 Tensor columns are nested fixed-size lists that every consumer reads, bf16 as exact float32
 (see :mod:`.dataset_columns`); :func:`read_tensor` gives back torch tensors in the captured dtype.
 """
@@ -37,7 +41,8 @@ import torch
 from .address import parse_address
 from .batching import pad_positions, pad_tokens, run_padded
 from .dataset_columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
-from .dataset_columns import encode, field_metadata, nested, write_bytes
+from .dataset_columns import IDENTITY_KEY, INDEX_KEY, encode, field_metadata, nested, write_bytes
+from .dataset_names import shard_name as shard_name
 from .tokens import pad_batch
 
 if TYPE_CHECKING:
@@ -103,10 +108,6 @@ def prompt_order(seed: int, n_prompts: int) -> np.ndarray:
     return order
 
 
-def shard_name(index: int, n_shards: int) -> str:
-    return f"part-{index:05d}-of-{n_shards:05d}.parquet"
-
-
 def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple[pa.Table, int]:
     """The shard's Arrow table and its number of real tokens."""
     rows = [model.tok.encode(t) for t in texts]
@@ -149,7 +150,7 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
         add("token", pa.array(tokens[b_idx, at].numpy().astype(np.int32)))
         for address in addresses:
             add_tensor(str(address), cache[address][b_idx, p_idx])
-    schema = pa.schema(fields, metadata={b"interp_engine.manifest": spec.metadata.encode()})
+    schema = pa.schema(fields, metadata={IDENTITY_KEY: spec.metadata.encode(), INDEX_KEY: str(index).encode()})
     return pa.Table.from_arrays(list(columns.values()), schema=schema), int(lengths.sum())
 
 
@@ -167,5 +168,5 @@ def shard_bytes(table: pa.Table) -> bytes:
 
 
 def read_json_metadata(schema: pa.Schema) -> dict:
-    raw = (schema.metadata or {}).get(b"interp_engine.manifest", b"{}")
+    raw = (schema.metadata or {}).get(IDENTITY_KEY, b"{}")
     return json.loads(raw or b"{}")

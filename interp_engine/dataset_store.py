@@ -7,7 +7,7 @@ written straight to the bucket by the replicas, and a local one to the folder.
 Publishing a file is atomic on every store:
 
 - local disks and HDFS have an atomic rename: the bytes go to a hidden temporary name
-  (``.NAME.tmp-<random>``) and are renamed over the final name;
+  (``.NAME.tmp-<12 hex>``, see :mod:`.dataset_names`) and are renamed over the final name;
 - object stores (S3, GCS, ...) have no rename, but an object becomes visible only once its
   upload completes: the file is serialised in memory first and sent as one upload under its
   final key, so a reader (or a resume) sees the whole file or nothing.
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from .dataset_names import temp_name
 from .dataset_uri import resolve_output
 
 _RENAMES = ("local", "hdfs")  # filesystems with an atomic rename
@@ -73,6 +73,13 @@ class Store:
         info = self.fs.get_file_info(self.key(name))
         return info.size if info.type == pafs.FileType.File else None
 
+    def age_s(self, name: str) -> float | None:
+        """Seconds since ``name`` was last written (``None`` if it is gone)."""
+        import time
+
+        info = self.fs.get_file_info(self.key(name))
+        return None if info.type == pafs.FileType.NotFound or info.mtime is None else time.time() - info.mtime.timestamp()
+
     def read(self, name: str) -> bytes:
         with self.fs.open_input_stream(self.key(name)) as f:
             return f.read()
@@ -83,7 +90,7 @@ class Store:
             with self.fs.open_output_stream(self.key(name)) as f:
                 f.write(data)
             return
-        tmp = self.key(f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        tmp = self.key(temp_name(name))
         try:
             with self.fs.open_output_stream(tmp) as f:
                 f.write(data)

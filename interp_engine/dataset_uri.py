@@ -80,9 +80,9 @@ def check_writable(store) -> None:
     """Write and delete a small probe file: a read-only destination fails here, not after the
     first shard was captured. The probe's name marks it temporary, so a resume removes one left
     by a killed process."""
-    import uuid
+    from .dataset_names import temp_name
 
-    name = f".write-check.tmp-{uuid.uuid4().hex[:12]}"
+    name = temp_name("write-check")
     try:
         store.make_root()
         store.write(name, b"interp_engine write check\n")

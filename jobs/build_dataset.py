@@ -9,7 +9,9 @@ On a cluster (the job server sets ``RAY_ADDRESS`` for the entrypoint)::
     ray job submit --working-dir . -- python jobs/build_dataset.py config.yaml
 
 Rerunning the same command resumes a build that was interrupted. The last line printed is a
-JSON summary (rows, shards, tokens/s, output).
+JSON summary (rows, shards, tokens/s, output). A config, prompts file, point list or output that
+cannot work is refused before Ray starts (:mod:`interp_engine.jobs.preflight`), and any refused
+input is one ``error: ...`` line on stderr with exit code 2, not a traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import sys
 
 from interp_engine.jobs.config import BuildConfig, ConfigError, load_config
+from interp_engine.jobs.preflight import preflight
 
 
 def run(config: BuildConfig):
@@ -42,10 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        preflight(config)  # before Ray or a replica starts: the config, model facts, points, prompts, output
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    dataset = run(config)
+    from interp_engine.dataset_integrity import DatasetCorruptError
+    from interp_engine.dataset_manifest import DatasetExistsError
+    from interp_engine.tokens import InputError
+
+    try:
+        dataset = run(config)
+    except (InputError, DatasetExistsError, DatasetCorruptError) as err:  # refused input: no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(dataset.summary())
     rate = dataset.tokens / dataset.seconds if dataset.seconds else 0.0
     print(json.dumps({"rows": dataset.rows, "shards": dataset.shards, "prompts": dataset.prompts,

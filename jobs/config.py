@@ -11,7 +11,10 @@ A YAML or JSON file such as::
     layout: token                   # or sequence
     storage_dtype: bfloat16
 
-Every problem is reported at once, each with the field it is in.
+Every problem is reported at once, each with the field it is in. The file itself is read
+strictly: UTF-8, at most 1 MiB, YAML through a safe loader (no tags that build Python objects)
+that also refuses a key given twice (plain YAML silently keeps the last one), JSON with the
+same rule; what cannot be read is one :class:`ConfigError` line with the file, line and column.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
+import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from interp_engine.address import parse_address
@@ -43,13 +47,13 @@ class BuildConfig(BaseModel):
 
     model: str = EMBEDDED
     backend: Literal["eager", "vllm"] = "eager"
-    replicas: int = Field(1, ge=1, description="model copies on the cluster")
-    tensor_parallel_size: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=4096, description="model copies on the cluster")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str | None = Field(None, description="torch device on each replica; default cuda where GPUs are reserved")
-    gpus_per_replica: float | None = Field(None, ge=0)
-    cpus_per_replica: float = Field(1, ge=0)
-    torch_threads: int | None = Field(None, ge=1)
+    gpus_per_replica: float | None = Field(None, ge=0, le=1024, allow_inf_nan=False)
+    cpus_per_replica: float = Field(1, ge=0, le=4096, allow_inf_nan=False)
+    torch_threads: int | None = Field(None, ge=1, le=4096, description="torch threads per replica")
     backend_options: dict = Field(default_factory=dict)
     env_vars: dict[str, str] = Field(default_factory=dict)
 
@@ -59,9 +63,9 @@ class BuildConfig(BaseModel):
     output: str
     layout: Literal["sequence", "token"] = "sequence"
     storage_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    shard_size: int = Field(64, ge=1)
+    shard_size: int = Field(64, ge=1, le=1 << 31)
     shuffle: bool = Field(False, description="build-time shuffle: shards hold seeded random prompts, rows mixed")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=1 << 64)
     overwrite: bool = False
     progress: bool = True
 
@@ -83,20 +87,13 @@ class BuildConfig(BaseModel):
 
 def load_config(source: str | Path | dict) -> BuildConfig:
     """Read and validate a config (a YAML/JSON path or a dict); :class:`ConfigError` lists every
-    bad field."""
+    bad field. A file that cannot be read, does not parse, repeats a key in one mapping, nests
+    deeper than Python can follow, or carries a YAML tag that builds an object is refused too."""
     label = "config"
     if not isinstance(source, dict):
         path = Path(source)
         label = str(path)
-        if not path.exists():
-            raise ConfigError(f"config file {label!r} does not exist")
-        text = path.read_text()
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
+        data = _parse(path, _read(path))
         if not isinstance(data, dict):
             raise ConfigError(f"{label}: expected a mapping of fields (model:, points:, ...), got {type(data).__name__}")
         if isinstance(data.get("prompts"), str) and not Path(data["prompts"]).expanduser().is_absolute():
@@ -106,9 +103,88 @@ def load_config(source: str | Path | dict) -> BuildConfig:
         return BuildConfig.model_validate(source)
     except ValidationError as err:
         lines = [f"  {_where(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                 + (f" (got {e['input']!r})" if _show(e) else "")
+                 + (f" (got {e['input']!r:.80})" if _show(e) else "")
                  for e in err.errors()]
         raise ConfigError(f"{label}: {len(lines)} problem(s):\n" + "\n".join(lines)) from None
+
+
+_MAX_BYTES = 1 << 20  # a config is a page of settings; prompts belong in their own file
+
+
+def _read(path: Path) -> str:
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config {str(path)!r} is a folder; pass a YAML or JSON file (e.g. jobs/examples/build.yaml)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"cannot read config {str(path)!r}: {err.strerror or err}") from None
+    if len(data) > _MAX_BYTES:
+        raise ConfigError(f"config {str(path)!r} is over {_MAX_BYTES >> 20} MiB; a config holds settings, put the "
+                          f"prompts in a .jsonl file and name it in prompts:")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); a config is a YAML or JSON "
+                          f"text file") from None
+
+
+def _parse(path: Path, text: str):
+    try:
+        if path.suffix.lower() == ".json":
+            try:
+                return json.loads(text, object_pairs_hook=_unique_pairs)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+        try:
+            return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tags that build objects
+        except yaml.constructor.ConstructorError as err:
+            raise ConfigError(f"{path}:{_line(err)}: {err.problem}; a config holds plain values (strings, numbers, "
+                              f"lists, mappings), so tags such as !!python/object are refused") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}:{_line(err)}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read; a config is a flat mapping of fields") from None
+    except _Duplicate as err:
+        raise ConfigError(f"{path}{err}") from None
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique_pairs(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Duplicate(f": key {key!r} appears twice in one object; keep one")
+        seen[key] = value
+    return seen
+
+
+def _line(err) -> str:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    return f"{mark.line + 1}:{mark.column + 1}" if mark is not None else "?"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden below it
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)):
+                if key in seen:
+                    raise _Duplicate(f":{key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping "
+                                     f"(first at line {seen[key]}); keep one")
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def _where(loc) -> str:

@@ -114,7 +114,7 @@ def test_rerun_resumes_and_ends_identical(llama, tmp_path):
     first = build_dataset(llama, PROMPTS, ["resid_post.1"], out, shard_size=2, progress=False)
     before = {f.name: f.read_bytes() for f in first.files}
     first.files[3].unlink()
-    (out / ".part-00001-of-00006.parquet.tmp-dead").write_bytes(b"half a file")
+    (out / ".part-00001-of-00006.parquet.tmp-0123456789ab").write_bytes(b"half a file")
     again = build_dataset(llama, PROMPTS, ["resid_post.1"], out, shard_size=2, progress=False)
     assert again.resumed_shards == 5 and again.rows == 11
     assert {f.name: f.read_bytes() for f in again.files} == before

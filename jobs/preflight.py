@@ -1,0 +1,96 @@
+"""What a dataset-build job checks before it starts Ray or loads a replica.
+
+Starting Ray and a replica takes seconds to minutes; a typo in a point or a broken prompts file
+should not. So, on the driver, from files alone:
+
+- **model**: resolved to its local folder (no download) and its ``config.json`` read — no
+  weights — for the facts that decide which points exist (:func:`interp_engine.archs.model_info`);
+- **points**: checked against those facts and the backend's site table, with the message a
+  loaded model would give;
+- **prompts**: read once in full with the model's tokenizer: each a non-empty string, none longer
+  than the model's positions, a readable UTF-8 ``.jsonl`` / Parquet file;
+- **output**: a location the store accepts (scheme, credentials, bucket), not a file, not a
+  folder of someone else's files, no malformed manifest (unless ``overwrite``), and no other
+  build holding it now.
+
+A model that is not on the driver (a cluster whose nodes hold it at a path the driver lacks)
+skips the model, points-against-model and prompt-length checks; the replicas check those. Each
+problem is a :class:`~interp_engine.jobs.config.ConfigError` naming the config field.
+"""
+
+from __future__ import annotations
+
+from interp_engine.jobs.config import BuildConfig, ConfigError
+
+
+def preflight(config: BuildConfig) -> None:
+    """Raise :class:`ConfigError` (naming the field) for anything checkable before Ray starts."""
+    from interp_engine.address import AddressError
+    from interp_engine.dataset_integrity import DatasetCorruptError
+    from interp_engine.dataset_manifest import DatasetExistsError
+    from interp_engine.local import ModelNotFound, resolve
+    from interp_engine.tokens import InputError
+
+    try:
+        folder = resolve(config.model)
+    except ModelNotFound:
+        folder = None  # perhaps only the cluster's nodes hold it: the replicas report it
+    try:
+        info, unserved, tokenizer = _model_facts(folder, config) if folder is not None else (None, (), None)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model: cannot read {config.model!r}'s config or tokenizer ({_line(err)})") from None
+    if info is not None:
+        from interp_engine.address import check_points
+
+        try:
+            check_points(config.points, info, config.backend, unserved)
+        except AddressError as err:
+            raise ConfigError(f"points: {err}") from None
+    try:
+        _check_prompts(config, info, tokenizer)
+    except InputError as err:
+        raise ConfigError(f"prompts: {err}") from None
+    try:
+        _check_output(config)
+    except (InputError, DatasetExistsError, DatasetCorruptError) as err:
+        raise ConfigError(f"output: {err}") from None
+
+
+def _model_facts(folder, config: BuildConfig):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from interp_engine.archs import arch_for, model_info, unserved_sites, vllm_sites
+    from interp_engine.tokens import Tokenizer
+
+    hf_config = AutoConfig.from_pretrained(folder)
+    info = model_info(hf_config, config.model)
+    table = arch_for(hf_config).sites if config.backend == "eager" else vllm_sites(info.family)
+    return info, unserved_sites(table), Tokenizer(AutoTokenizer.from_pretrained(folder))
+
+
+def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
+    from interp_engine.dataset_prompts import PromptSource
+
+    source = PromptSource.of(config.prompts, config.text_key)
+    if tokenizer is None:
+        source.scan(lambda text: (), 1)  # readable, non-empty strings; lengths need the tokenizer
+        return
+    source.scan(lambda text: tokenizer.encode(text), info.n_ctx)
+
+
+def _check_output(config: BuildConfig) -> None:
+    from interp_engine.dataset_lease import DatasetBusyError, busy_message, holder
+    from interp_engine.dataset_manifest import inspect_output
+    from interp_engine.dataset_store import Store
+    from interp_engine.dataset_uri import check_access
+
+    store = Store.of(config.output)
+    check_access(store, explicit=False)
+    inspect_output(store, None, overwrite=config.overwrite)
+    record = holder(store)
+    if record is not None:
+        raise DatasetBusyError(busy_message(store, record))
+
+
+def _line(err: Exception) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0][:300]

@@ -148,7 +148,7 @@ def _vllm_only(h):
 
 def _long_tokens(h):
     """Longer than the reference prompt, so that its KV slots cover the reference's tail."""
-    return h.model.to_tokens("a long prompt that writes its keys and values far past the reference " * 2)
+    return h.model.to_tokens("a long prompt that writes its keys and values far past the reference")
 
 
 def _on_worker(h, fn):

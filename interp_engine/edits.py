@@ -226,11 +226,18 @@ def _number(address, name, value) -> float:
     """A finite real number (numpy scalars such as ``np.float32(0.5)`` count) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputError(f"edit on {address}: {name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise InputError(f"edit on {address}: {name} must be a finite number, got {value!r}: {_WHY_FINITE}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
+        raise InputError(f"edit on {address}: {name} must be a finite number within float32 (|x| <= 3.4e38), "
+                         f"got {shown}: {_WHY_FINITE}")
+    return number
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
 #: why an edit may only write finite numbers (the end of every such refusal)
 _WHY_FINITE = ("a NaN or inf spreads through every later position and layer of the request; pass finite "
                "numbers (e.g. torch.nan_to_num(x), or check the division or norm that produced it)")
@@ -238,23 +245,22 @@ _WHY_FINITE = ("a NaN or inf spreads through every later position and layer of t
 
 def _tensor(address, name, value) -> torch.Tensor:
     """``value`` as a finite, real float32 tensor on the CPU (refused otherwise, with the fix)."""
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        value = float(value)
-    if isinstance(value, complex) or (isinstance(value, torch.Tensor) and value.is_complex()) or (
-            isinstance(value, np.ndarray) and np.iscomplexobj(value)):
-        raise InputError(f"edit on {address}: {name} is complex; activations are real numbers: pass a real "
-                         f"tensor (e.g. value.real, or value.abs() if you meant the magnitude)")
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        raise InputError(f"edit on {address}: {name} is on the meta device (a shape without values); pass a "
-                         f"tensor that holds numbers, e.g. one made with device='cpu'")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = _number(address, name, value)
     try:
         tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         raise InputError(f"edit on {address}: {name} must be a tensor or a number, got {type(value).__name__}") from None
-    if tensor.is_sparse:
-        tensor = tensor.to_dense()
+    if tensor.device.type == "meta":
+        raise InputError(f"edit on {address}: {name} is on the meta device (a shape without values); pass a "
+                         f"tensor that holds numbers, e.g. one made with device='cpu'")
+    if tensor.is_complex():
+        raise InputError(f"edit on {address}: {name} is complex; activations are real numbers: pass a real "
+                         f"tensor (e.g. value.real, or value.abs() if you meant the magnitude)")
     if tensor.dtype == torch.bool:
         raise InputError(f"edit on {address}: {name} is a bool tensor; pass numbers (e.g. mask.float())")
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
     _check_finite(address, name, tensor)
     out = tensor.float().cpu()
     if tensor.is_floating_point() and tensor.dtype != torch.float32:

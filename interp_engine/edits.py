@@ -30,7 +30,6 @@ import math
 import numbers
 from typing import Union
 
-import numpy as np
 import torch
 
 from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
@@ -222,6 +221,13 @@ def _check_heads(address, heads, info) -> tuple[int, ...] | None:
     return tuple(sorted(set(heads)))
 
 
+#: the largest float32; an edit's numbers must fit
+FLOAT32_MAX = torch.finfo(torch.float32).max
+#: why an edit may only write finite numbers (the end of every such refusal)
+_WHY_FINITE = ("a NaN or inf spreads through every later position and layer of the request; pass finite "
+               "numbers (e.g. torch.nan_to_num(x), or check the division or norm that produced it)")
+
+
 def _number(address, name, value) -> float:
     """A finite real number (numpy scalars such as ``np.float32(0.5)`` count) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -235,12 +241,6 @@ def _number(address, name, value) -> float:
         raise InputError(f"edit on {address}: {name} must be a finite number within float32 (|x| <= 3.4e38), "
                          f"got {shown}: {_WHY_FINITE}")
     return number
-
-
-FLOAT32_MAX = torch.finfo(torch.float32).max
-#: why an edit may only write finite numbers (the end of every such refusal)
-_WHY_FINITE = ("a NaN or inf spreads through every later position and layer of the request; pass finite "
-               "numbers (e.g. torch.nan_to_num(x), or check the division or norm that produced it)")
 
 
 def _tensor(address, name, value) -> torch.Tensor:
@@ -292,7 +292,8 @@ def _check_add(address, vector: torch.Tensor, scale: float, norm_relative: bool)
                              f"divide it by its largest value first (norm_relative=True uses only its direction)")
     elif not bool(torch.isfinite(scale * vector).all()):
         raise InputError(f"edit on {address}: Add's scale * vector overflows float32 (scale={scale:g}, largest "
-                         f"|vector| {float(vector.abs().max()):g}); {_WHY_FINITE}")
+                         f"|vector| {float(vector.abs().max()):g}); lower the scale or the vector: an edit must "
+                         f"write finite numbers")
 
 
 def _fit(address, name, value, block, whole=None) -> torch.Tensor:
@@ -304,7 +305,7 @@ def _fit(address, name, value, block, whole=None) -> torch.Tensor:
         wanted = f"[{', '.join(map(str, block))}]"
         extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name.endswith("value") else ""
         raise InputError(f"edit on {address}: {name} of shape {list(shape)} does not fit: each edited position "
-                         f"of {address.name} is {wanted} (a {name} broadcasts to it{extra})")
+                         f"of {address.name} is {wanted} (the {name.split()[-1]} broadcasts to it{extra})")
     return tensor
 
 

@@ -26,12 +26,14 @@ edited model, and a capture of the edited address itself returns the value after
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Union
 
 import torch
 
 from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
-from .positions import Selection, check_spec, resolve
+from .positions import Selection, as_int, check_spec, resolve
 from .tokens import InputError
 
 
@@ -178,16 +180,15 @@ def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
     changes = {"heads": heads, "positions": positions}
     full = False
     if isinstance(edit, Add):
-        changes["vector"] = _fit(address, "vector", edit.vector, block)
-        changes["scale"] = _number(address, "scale", edit.scale)
+        changes["vector"] = _fit(address, "Add's vector", edit.vector, block)
+        changes["scale"] = _number(address, "Add's scale", edit.scale)
         if not isinstance(edit.norm_relative, bool):
             raise InputError(f"edit on {address}: norm_relative must be True or False, got {edit.norm_relative!r}")
-        if edit.norm_relative and not float(changes["vector"].norm()) > 0:
-            raise InputError(f"edit on {address}: norm_relative=True needs a vector with a nonzero norm")
+        _check_add(address, changes["vector"], changes["scale"], edit.norm_relative)
     elif isinstance(edit, Scale):
-        changes["factor"] = _number(address, "factor", edit.factor)
+        changes["factor"] = _number(address, "Scale's factor", edit.factor)
     elif isinstance(edit, Set):
-        value = _tensor(address, "value", edit.value)
+        value = _tensor(address, "Set's value", edit.value)
         whole = (tokens.shape[0], tokens.shape[1], *block)
         if backend == "eager" and not generating and tuple(value.shape) == whole and address.query_axis == 1:
             if positions is not None or heads is not None:
@@ -195,7 +196,7 @@ def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
                                  f"positions= or heads= (it sets every position it gives)")
             changes["value"], full = value, True
         else:
-            changes["value"] = _fit(address, "value", value, block,
+            changes["value"] = _fit(address, "Set's value", value, block,
                                     whole=whole if backend == "eager" and not generating else None)
     return Planned(address, dataclasses.replace(edit, **changes), selection, full)
 
@@ -206,12 +207,13 @@ def _check_heads(address, heads, info) -> tuple[int, ...] | None:
     if address.name not in HEAD_SITES:
         raise InputError(f"edit on {address}: heads= applies to the per-head sites {', '.join(HEAD_SITES)}; "
                          f"{address.name} has no head axis (drop heads=, or edit z.{address.layer})")
-    if isinstance(heads, int) and not isinstance(heads, bool):
+    if as_int(heads) is not None:
         heads = [heads]
     n = info.n_kv_heads if address.name in ("k", "v") else info.n_heads
     heads = list(heads) if isinstance(heads, (list, tuple, range)) else heads
-    if not isinstance(heads, list) or not heads or any(isinstance(h, bool) or not isinstance(h, int) for h in heads):
+    if not isinstance(heads, list) or not heads or any(as_int(h) is None for h in heads):
         raise InputError(f"edit on {address}: heads must be a non-empty list of ints, got {heads!r}")
+    heads = [as_int(h) for h in heads]
     bad = [h for h in heads if not 0 <= h < n]
     if bad:
         raise InputError(f"edit on {address}: head {bad[0]} is out of range; {address.name} has {n} heads "
@@ -219,22 +221,79 @@ def _check_heads(address, heads, info) -> tuple[int, ...] | None:
     return tuple(sorted(set(heads)))
 
 
+#: the largest float32; an edit's numbers must fit
+FLOAT32_MAX = torch.finfo(torch.float32).max
+#: why an edit may only write finite numbers (the end of every such refusal)
+_WHY_FINITE = ("a NaN or inf spreads through every later position and layer of the request; pass finite "
+               "numbers (e.g. torch.nan_to_num(x), or check the division or norm that produced it)")
+
+
 def _number(address, name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    """A finite real number (numpy scalars such as ``np.float32(0.5)`` count) as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputError(f"edit on {address}: {name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
+        raise InputError(f"edit on {address}: {name} must be a finite number within float32 (|x| <= 3.4e38), "
+                         f"got {shown}: {_WHY_FINITE}")
+    return number
 
 
 def _tensor(address, name, value) -> torch.Tensor:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return torch.tensor(float(value))
+    """``value`` as a finite, real float32 tensor on the CPU (refused otherwise, with the fix)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = _number(address, name, value)
     try:
         tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         raise InputError(f"edit on {address}: {name} must be a tensor or a number, got {type(value).__name__}") from None
+    if tensor.device.type == "meta":
+        raise InputError(f"edit on {address}: {name} is on the meta device (a shape without values); pass a "
+                         f"tensor that holds numbers, e.g. one made with device='cpu'")
+    if tensor.is_complex():
+        raise InputError(f"edit on {address}: {name} is complex; activations are real numbers: pass a real "
+                         f"tensor (e.g. value.real, or value.abs() if you meant the magnitude)")
+    if tensor.dtype == torch.bool:
+        raise InputError(f"edit on {address}: {name} is a bool tensor; pass numbers (e.g. mask.float())")
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
+    _check_finite(address, name, tensor)
+    out = tensor.float().cpu()
+    if tensor.is_floating_point() and tensor.dtype != torch.float32:
+        _check_finite(address, name, out, " once converted to float32 (its range ends near ±3.4e38)")
+    return out
+
+
+def _check_finite(address, name, tensor: torch.Tensor, how: str = "") -> None:
     if not tensor.is_floating_point():
-        tensor = tensor.float()
-    return tensor.float().cpu()
+        return
+    bad = ~torch.isfinite(tensor)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        value = tensor[tuple(where)].item()
+        at = f" at index {where}" if where else ""
+        raise InputError(f"edit on {address}: {name} holds {value}{at}{how}; {_WHY_FINITE}")
+
+
+def _check_add(address, vector: torch.Tensor, scale: float, norm_relative: bool) -> None:
+    """What an ``Add`` writes must be finite too: ``scale * vector`` (or, norm-relative, the
+    unit vector, which needs a finite nonzero norm)."""
+    if norm_relative:
+        norm = float(vector.norm())
+        if not norm > 0:
+            raise InputError(f"edit on {address}: norm_relative=True needs a vector with a nonzero norm (it adds "
+                             f"scale * |x| in the vector's direction); pass a nonzero vector")
+        if not math.isfinite(norm):
+            raise InputError(f"edit on {address}: the vector's norm overflows float32, so its direction is lost; "
+                             f"divide it by its largest value first (norm_relative=True uses only its direction)")
+    elif not bool(torch.isfinite(scale * vector).all()):
+        raise InputError(f"edit on {address}: Add's scale * vector overflows float32 (scale={scale:g}, largest "
+                         f"|vector| {float(vector.abs().max()):g}); lower the scale or the vector: an edit must "
+                         f"write finite numbers")
 
 
 def _fit(address, name, value, block, whole=None) -> torch.Tensor:
@@ -244,9 +303,9 @@ def _fit(address, name, value, block, whole=None) -> torch.Tensor:
     ok = len(shape) <= len(block) and all(s in (1, b) for s, b in zip(shape[::-1], block[::-1]))
     if not ok:
         wanted = f"[{', '.join(map(str, block))}]"
-        extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name == "value" else ""
+        extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name.endswith("value") else ""
         raise InputError(f"edit on {address}: {name} of shape {list(shape)} does not fit: each edited position "
-                         f"of {address.name} is {wanted} (a {name} broadcasts to it{extra})")
+                         f"of {address.name} is {wanted} (the {name.split()[-1]} broadcasts to it{extra})")
     return tensor
 
 

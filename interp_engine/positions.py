@@ -20,7 +20,9 @@ fewer columns than the widest one; those hold zeros, and ``cache.mask`` is False
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
+import numpy as np
 import torch
 
 from .tokens import InputError
@@ -52,13 +54,24 @@ class Selection:
         return {"positions": list(self.rows[row]), "after": self.after[row]}
 
 
+def as_int(value) -> int | None:
+    """``value`` as a Python int when it is an integer (numpy integers such as ``np.int64(3)``
+    count; bools do not), else None."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def check_spec(positions):
-    """Validate the *form* of a positions spec (before any tokens are seen); returns it."""
+    """Validate the *form* of a positions spec (before any tokens are seen); returns it, its
+    ints as Python ints (numpy integers and 1-D integer arrays are accepted)."""
     if positions is None or isinstance(positions, slice):
         if isinstance(positions, slice):
             for bound in (positions.start, positions.stop, positions.step):
-                if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+                if bound is not None and as_int(bound) is None:
                     raise InputError(f"positions={positions!r}: slice bounds must be ints or None")
+            positions = slice(*(None if b is None else as_int(b) for b in
+                                (positions.start, positions.stop, positions.step)))
             if positions.step == 0:
                 raise InputError(f"positions={positions!r}: a slice step cannot be zero")
         return positions
@@ -66,20 +79,23 @@ def check_spec(positions):
         if positions not in _WORDS:
             raise InputError(f"unknown positions={positions!r}; positions may be {_FORMS}")
         return positions
-    if isinstance(positions, torch.Tensor):
-        if positions.dim() > 1 or positions.is_floating_point() or positions.dtype == torch.bool:
+    if isinstance(positions, (torch.Tensor, np.ndarray)):
+        ints = (not positions.is_floating_point() and positions.dtype != torch.bool
+                and not positions.is_complex()) if isinstance(positions, torch.Tensor) else (
+            np.issubdtype(positions.dtype, np.integer))
+        if positions.ndim > 1 or not ints:
             raise InputError(f"positions as a tensor must be a 1-D tensor of ints, got {positions.dtype} "
                              f"of shape {tuple(positions.shape)}")
         positions = positions.tolist()
-    if isinstance(positions, int) and not isinstance(positions, bool):
-        return positions
+    if as_int(positions) is not None:
+        return as_int(positions)
     if isinstance(positions, (list, tuple)):
         if not positions:
             raise InputError("positions=[] selects no position; pass None for all, or e.g. [-1] for the last")
-        bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, int)]
+        bad = [p for p in positions if as_int(p) is None]
         if bad:
             raise InputError(f"positions must be ints, got {bad[0]!r} in {list(positions)!r}")
-        return list(positions)
+        return [as_int(p) for p in positions]
     raise InputError(f"positions={positions!r} ({type(positions).__name__}) is not understood; positions may be {_FORMS}")
 
 

@@ -35,6 +35,7 @@ from interp_engine import (
     run_with_cache,
 )
 
+from . import hostile_edits
 from .clusters import simulated_cluster
 
 BACKENDS = ["eager", "vllm", "cluster"]
@@ -270,6 +271,8 @@ CASES: dict[str, Case] = {
         "takes one prompt per call", "splits it over the replicas", backends=("cluster",)),
 }
 
+CASES.update({name: Case("edits", *case) for name, case in hostile_edits.CASES.items()})
+
 TALLY: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 UNCLEAR: list[str] = []
 
@@ -375,9 +378,20 @@ def test_hostile_input_is_a_clear_error_and_the_model_serves_on(hostile, name):
     assert_serves_as_fresh(hostile)
 
 
+@pytest.mark.parametrize("check", hostile_edits.CHECKS, ids=lambda check: check.__name__)
+def test_one_requests_values_never_reach_another(hostile, check):
+    """Edit values that are accepted, or poison that bypasses the checks (hostile_edits.py); then the
+    model serves exactly as when fresh."""
+    if hostile.wedged:
+        pytest.fail(f"the {hostile.backend} model stopped answering at {hostile.wedged!r}")
+    check(hostile)
+    assert_serves_as_fresh(hostile)
+
+
 def test_the_catalogue_covers_every_category():
     categories = collections.Counter(case.category for case in CASES.values())
-    assert set(categories) == {"sites", "containers", "tokens", "lengths", "sampling", "text", "backend", "cluster"}
+    assert set(categories) == {"sites", "containers", "tokens", "lengths", "sampling", "text", "backend", "cluster",
+                               "edits"}
     assert all(n >= 3 for n in categories.values()), categories
     for case in CASES.values():  # every pattern compiles and names something
         assert re.compile(case.says).pattern and re.compile(case.valid).pattern

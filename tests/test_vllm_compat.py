@@ -26,7 +26,7 @@ PRIVATE = (
     "num_kv_heads", "head_size", "input_size_per_partition", "params_dtype", "embedding_dim",
     "quant_method", "is_monolithic", "routed_experts", "select_experts", "router",
     "_finalizer", "engine_core", "structured_output_manager", "model_executor", "scheduler",
-    "disable_envs_cache", "get_tensor_model_parallel_rank", "_C",
+    "disable_envs_cache", "get_tensor_model_parallel_rank", "_C", "kv_caches", "kv_cache_config", "block_ids",
 )
 
 
@@ -122,3 +122,22 @@ def test_reads_on_an_engine_agree_with_the_hf_model(pair):
     (unembedding,) = run_on_loop(vllm._loop, "interp_unembedding", "model.norm", ["lm_head", "model.embed_tokens"])
     hf_head = eager.hf.get_output_embeddings().weight.detach()
     torch.testing.assert_close(unembedding["weight"][: hf_head.shape[0]], hf_head, rtol=0, atol=0)
+
+
+def test_kv_cache_reads_the_guard_relies_on(pair):
+    """One KV cache view per attention layer, the scheduler's block on dim 0; the blocks of a
+    request that is not scheduled are none; the engine's guard is installed from the start."""
+    from interp_engine.backends import vllm_compat
+
+    from .probes import engine_state
+
+    vllm, _ = pair
+
+    def look(worker):
+        runner = vllm_compat.worker_runner(worker)
+        views = vllm_compat.kv_cache_views(runner)
+        return len(views), {view.shape[0] for view in views}, vllm_compat.request_block_ids(runner, "no such request")
+
+    (layers, blocks, held), = vllm._loop.call(look).result()
+    assert layers == vllm.info.n_layers and len(blocks) == 1 and held == []
+    assert isinstance(engine_state(vllm)[0]["kv_blocks_zeroed"], int)

@@ -72,6 +72,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
         try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
+            run_on_loop(self._loop, "interp_guard_kv")
             if any(read.phase == "select" for read in self.sites.values()):
                 self.unserved |= frozenset(run_on_loop(self._loop, "interp_unreadable_sites")[0])
             self._check_geometry()

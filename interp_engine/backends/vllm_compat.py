@@ -83,6 +83,32 @@ def tensor_parallel() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+# -- the KV cache -------------------------------------------------------------------------------
+def kv_cache_views(runner) -> list[torch.Tensor]:
+    """Every attention layer's KV cache on this rank, each once, as views whose dim 0 is the
+    scheduler's block id (vLLM 0.32's per-layer cache is logically ``[block, head, slot, content]``
+    whatever its physical layout; ``runner.kv_caches`` holds the scheduler-block views, not the
+    kernel-block ones bound to the layers)."""
+    num_blocks = runner.kv_cache_config.num_blocks
+    views, seen = [], set()
+    for kv in runner.kv_caches:
+        if not isinstance(kv, torch.Tensor) or (kv.data_ptr(), kv.shape) in seen:
+            continue
+        if kv.shape[0] != num_blocks:
+            raise RuntimeError(
+                f"[Internal] a KV cache of shape {tuple(kv.shape)} does not have the {num_blocks} scheduler blocks on "
+                f"dim 0 that vLLM {SUPPORTED} lays out; interp_engine/backends/vllm_compat.py needs porting")
+        seen.add((kv.data_ptr(), kv.shape))
+        views.append(kv)
+    return views
+
+
+def request_block_ids(runner, request_id: str) -> list[int]:
+    """The KV cache blocks a scheduled request holds now (every KV cache group's, in one list)."""
+    state = runner.requests.get(request_id)
+    return [] if state is None else [block for group in state.block_ids for block in group]
+
+
 # -- weights and geometry -----------------------------------------------------------------------
 def attention_geometry(attn) -> dict:
     """Heads, kv heads and head size as this rank's attention kernel runs them."""

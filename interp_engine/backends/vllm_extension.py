@@ -16,6 +16,7 @@ import torch
 
 from . import vllm_compat
 from .vllm_hooks import WorkerRecorder
+from .vllm_kv_guard import KvBlockGuard
 
 
 class CaptureExtension:
@@ -29,6 +30,15 @@ class CaptureExtension:
             self._interp_state = recorder
         return recorder
 
+    def interp_guard_kv(self) -> None:
+        """Install the KV cache block guard (:mod:`.vllm_kv_guard`) once, for every request
+        this worker will run, captured or not."""
+        if getattr(self, "_interp_kv_guard", None) is None:
+            runner = vllm_compat.worker_runner(self)
+            guard = KvBlockGuard(runner)
+            guard.install(vllm_compat.runner_model(runner))
+            self._interp_kv_guard = guard
+
     def interp_register(self, requests: dict) -> None:
         self._interp_recorder().register(requests)
 
@@ -40,12 +50,14 @@ class CaptureExtension:
 
     def interp_state(self) -> dict:
         """What this worker holds: registered requests not taken yet, hooks installed now (an
-        idle engine has none), the most registered requests seen in one forward, and the bytes of
-        every row handed back to the driver so far."""
+        idle engine has none), the most registered requests seen in one forward, the bytes of
+        every row handed back to the driver so far, and the KV cache blocks the guard zeroed
+        (None: no guard)."""
         recorder = self._interp_recorder()
         return {"pending": sorted(recorder.requests.wanted), "hooks": recorder.hooks_installed,
                 "edited": sorted(recorder.editor.edits),
-                "max_batch": recorder.requests.max_batch, "bytes_returned": recorder.bytes_returned}
+                "max_batch": recorder.requests.max_batch, "bytes_returned": recorder.bytes_returned,
+                "kv_blocks_zeroed": getattr(getattr(self, "_interp_kv_guard", None), "zeroed", None)}
 
     def interp_unreadable_sites(self) -> list[str]:
         """Sites of the table this engine never computes in a readable form (see vllm_moe)."""

@@ -40,9 +40,8 @@ import uuid
 import warnings
 
 from .dataset_manifest import DatasetExistsError
-from .dataset_names import LEASE, lease_name
+from .dataset_names import LEASE, TTL_S, lease_name
 
-TTL_S = 60.0  # a lease not renewed for this long is dead
 RENEW_S = 10.0  # how often a holder renews its lease
 _ATTEMPTS = 6  # contending without a holder: retries before refusing
 

@@ -30,7 +30,7 @@ import warnings
 import weakref
 
 from .dataset_integrity import DatasetCorruptError
-from .dataset_names import LEASE, MANIFEST, SHARD, is_ours, is_temp, is_unleased_temp, shard_name
+from .dataset_names import LEASE, MANIFEST, SHARD, TTL_S, is_ours, is_temp, is_unleased_temp, shard_name
 from .fingerprint import weights_fingerprint as weights_fingerprint
 
 #: 3: length-prefixed prompt hash, shard index in each file; 2: nested fixed-size lists, bf16 as exact float32
@@ -158,8 +158,6 @@ def _in_flight(store, name: str) -> bool:
     """Whether a temporary file may still be being written by a live build. Shard and manifest
     files are written only by the holder of the folder's lease (this build); a probe or a lease
     is written by every build that starts, so one is left unless it is older than a lease lives."""
-    from .dataset_lease import TTL_S
-
     if not is_unleased_temp(name):
         return False
     age = store.age_s(name)

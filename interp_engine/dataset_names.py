@@ -26,6 +26,8 @@ LEASE = re.compile(rf"^{_LEASE}$")
 TEMP = re.compile(rf"^\.(?:{_SHARD}|_manifest\.json|{_LEASE}|write-check)\.tmp-[0-9a-f]{{12}}$")
 #: temporary files written by builds that do not hold the folder (yet): contenders' leases, probes
 UNLEASED_TEMP = re.compile(rf"^\.(?:{_LEASE}|write-check)\.tmp-[0-9a-f]{{12}}$")
+#: seconds after its last renewal at which a lease (and a lease or probe temp file) counts as dead
+TTL_S = 60.0
 
 
 def shard_name(index: int, n_shards: int) -> str:

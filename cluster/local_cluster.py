@@ -109,14 +109,22 @@ def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1
     environ = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": path,
                **LOOPBACK_ENV}
     environ.pop("RAY_ADDRESS", None)
+    taken = {p for p in (dashboard_port, client_server_port) if p}
+
+    def fresh() -> str:  # a free port not handed out yet (the OS may offer a just-closed one again)
+        while (free := free_port()) in taken:
+            pass
+        taken.add(free)
+        return str(free)
+
     # The head's two metrics servers have fixed default ports; free ones let clusters coexist.
-    head_environ = {**environ, "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
-    port, dash = free_port(), dashboard_port or free_port()
+    head_environ = {**environ, "AUTOSCALER_METRIC_PORT": fresh(), "DASHBOARD_METRIC_PORT": fresh()}
+    port, dash = int(fresh()), dashboard_port or int(fresh())
     common = ["--node-ip-address", HOST, "--min-worker-port", "0", "--max-worker-port", "0"]
 
     def node_ports() -> list[str]:
-        return ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-                "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port())]
+        return ["--dashboard-agent-listen-port", fresh(), "--dashboard-agent-grpc-port", fresh(),
+                "--metrics-export-port", fresh(), "--runtime-env-agent-port", fresh()]
 
     # Each node gets its own temp dir: nodes sharing one would share runtime_resources/, and a
     # worker unpacking a job's working_dir there would pull it from under the running driver.
@@ -129,7 +137,7 @@ def start(state: Path = DEFAULT_STATE, *, workers: int = 2, head_cpus: float = 1
     try:
         pids = [_spawn(["--head", "--port", str(port), "--temp-dir", str(temp / "head"),
                         "--dashboard-host", HOST, "--dashboard-port", str(dash),
-                        "--ray-client-server-port", str(client_server_port or free_port()),
+                        "--ray-client-server-port", str(client_server_port or fresh()),
                         "--num-cpus", _num(head_cpus), "--num-gpus", "0",
                         *common, *node_ports()], state / "head.log", head_environ)]
     except BaseException:
@@ -268,8 +276,9 @@ def stop(state: Path = DEFAULT_STATE, timeout: float = 10) -> bool:
     is provably one of this cluster's nodes (the start time recorded when it was spawned, a ``ray
     start`` command line whose ``--temp-dir`` lies in the cluster's temp dir, its own process
     group), and the temp dir is removed only if it carries the marker ``start`` wrote for this
-    cluster and this state folder. Anything else is left alone, and once the cluster's own parts
-    are gone ``stop`` raises SystemExit naming each thing it left and why."""
+    cluster and this state folder (without that marker no process is ended either: the record is
+    then not this folder's). Anything else is left alone, and once the cluster's own parts are
+    gone ``stop`` raises SystemExit naming each thing it left and why."""
     state = Path(state)
     if not (state / "cluster.json").exists():
         return False
@@ -283,8 +292,11 @@ def stop(state: Path = DEFAULT_STATE, timeout: float = 10) -> bool:
     started += [None] * (len(pids) - len(started))
     refused = []
     own = []
+    temp_why = _own_temp(temp, info.get("id"), state)  # proves the record is this state folder's cluster
     for pid, when in zip(pids, started):
         why = _own_node(pid, when, temp) if isinstance(pid, int) and pid > 1 else "not a process id"
+        if why is None and temp_why is not None:
+            why = f"the record's temp dir {temp} does not prove it is this state folder's cluster ({temp_why})"
         if why is None:
             own.append(pid)
         elif why != "gone":
@@ -300,11 +312,10 @@ def stop(state: Path = DEFAULT_STATE, timeout: float = 10) -> bool:
             time.sleep(0.2)
         if _group_alive(pid):
             os.killpg(pid, signal.SIGKILL)
-    why = _own_temp(temp, info.get("id"), state)
-    if why is None:
+    if temp_why is None:
         shutil.rmtree(temp, ignore_errors=True)
-    elif why != "gone":
-        refused.append(f"not removing {temp}: {why}")
+    elif temp_why != "gone":
+        refused.append(f"not removing {temp}: {temp_why}")
     (state / "cluster.json").unlink()
     if refused:
         raise SystemExit("\n".join([f"{state / 'cluster.json'} named things this script did not start; "

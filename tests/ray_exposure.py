@@ -26,6 +26,8 @@ def role(process) -> str:
     ``RuntimeEnvAgent``, ``worker`` (``ray::IDLE`` and every actor or task), or the Python script
     it runs (``dashboard.py``, ``monitor.py``, ``ray.util.client.server`` ...)."""
     name = process.name()
+    if name in ("raylet", "gcs_server"):
+        return name
     if name.startswith("ray::"):
         name = name[5:]
         return name if name in ("DashboardAgent", "RuntimeEnvAgent") else "worker"
@@ -33,7 +35,7 @@ def role(process) -> str:
     for i, arg in enumerate(command):
         if arg == "-m" and i + 1 < len(command):
             return command[i + 1]
-        if arg.endswith(".py") or arg.endswith("/ray"):
+        if not arg.startswith("-") and (arg.endswith(".py") or arg.endswith("/ray")):
             return Path(arg).name
     return name
 
@@ -84,22 +86,29 @@ def get(port: int, path: str, token: str | None = None, timeout: float = 5) -> t
         connection.close()
 
 
+def kind(port: int) -> str | None:
+    """``Prometheus`` for a metrics server (it answers every path with metrics text), ``HTTP``
+    for another HTTP server, None for a port that does not speak HTTP/1.1."""
+    first = get(port, "/metrics")
+    if first is None:
+        return None
+    return "Prometheus" if first[0] == 200 and first[1].startswith(b"# HELP") else "HTTP"
+
+
 def without_token(rows) -> dict[tuple[str, str], set[str]]:
     """For each HTTP port of ``rows`` (:func:`listening`), keyed by (role, kind), the probe paths
     that a request without the token gets past authentication on (any answer but 401/403).
-    ``kind`` is ``Prometheus`` for a metrics server (it answers every path with metrics text; the
-    set is then ``{EVERY_PATH}``) and ``HTTP`` otherwise. Roles with more than one such port
-    (one per node) merge."""
+    ``kind`` is :func:`kind`; a Prometheus server that answers every probe path gets
+    ``{EVERY_PATH}``. Roles with more than one such port (one per node) merge."""
     found: dict[tuple[str, str], set[str]] = {}
     for _, port, name in rows:
-        first = get(port, "/metrics")
-        if first is None:
+        server = kind(port)
+        if server is None:
             continue
-        prometheus = first[0] == 200 and first[1].startswith(b"# HELP")
         answered = {path for path in PROBE_PATHS if (got := get(port, path)) is not None and got[0] not in (401, 403)}
-        if prometheus and answered == set(PROBE_PATHS):
+        if server == "Prometheus" and answered == set(PROBE_PATHS):
             answered = {EVERY_PATH}
-        found.setdefault((name, "Prometheus" if prometheus else "HTTP"), set()).update(answered)
+        found.setdefault((name, server), set()).update(answered)
     return found
 
 

@@ -284,8 +284,9 @@ def rss_child(args) -> None:
     import ray
 
     from interp_engine import load_model
+    from interp_engine.loopback import start_local_ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2)
     model = load_model(args.model, replicas=1, cpus_per_replica=1, torch_threads=1)
     layer = model.n_layers // 2
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
 ``load_model(name, backend=..., replicas=N)`` lands here. It joins the Ray cluster the user
 connected to (``ray.init(address=...)`` or ``RAY_ADDRESS``) or starts a local one (token
-auth on, no dashboard), checks that the cluster can hold N replicas *before* placing any (no silent hang),
+auth on, every socket on 127.0.0.1, no dashboard: :mod:`.loopback`), checks that the cluster can hold N replicas *before* placing any (no silent hang),
 places them in one placement group spread over the nodes (each replica's GPUs —
 ``tensor_parallel_size`` of them — on one node), and starts a coordinator actor that shards
 calls over them. :class:`ClusterModel` is a :class:`CaptureModel`: ``run_with_cache``,

@@ -11,7 +11,8 @@ from .cluster_errors import ClusterError
 
 
 def connect() -> None:
-    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one."""
+    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one: every socket on
+    127.0.0.1, token authentication on (:mod:`.loopback`)."""
     import ray
 
     if ray.is_initialized():
@@ -20,7 +21,9 @@ def connect() -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        from .loopback import start_local_ray
+
+        start_local_ray()
 
 
 def check_capacity(nodes: list[dict], replicas: int, gpus: float, cpus: float) -> None:

@@ -27,10 +27,11 @@ def demo_summary(n_prompts: int = 24, replicas: int = 2, output=None, echo=print
 
     from interp_engine import build_dataset, load_model, run_with_cache
     from interp_engine.embedded import NAME, cache_dir
+    from interp_engine.loopback import start_local_ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        start_local_ray()  # loopback only, token auth: the same Ray load_model starts
     import torch
 
     cpus = ray.cluster_resources().get("CPU", 1)

@@ -20,8 +20,8 @@ import numpy as np
 
 from .address import check_points, format_address
 from .dataset_integrity import Expected, identity_json, verify_existing
-from .dataset_lease import Lease
-from .dataset_manifest import FORMAT, inspect_output, prepare_output, tokenizer_fingerprint, write_manifest
+from .dataset_lease import Lease, inspect_free_output
+from .dataset_manifest import FORMAT, prepare_output, tokenizer_fingerprint, write_manifest
 from .dataset_prompts import PromptSource
 from .dataset_result import ActivationDataset as ActivationDataset
 from .dataset_result import where
@@ -118,7 +118,7 @@ def build_dataset(
         "shuffle_seed": seed if shuffle else None,
     }
     check_access(store, explicit=filesystem is not None or isinstance(output, tuple))
-    inspect_output(store, identity, overwrite=overwrite)  # the refusals, before anything is written
+    inspect_free_output(store, identity, overwrite=overwrite)  # the refusals, before anything is written
     check_writable(store)
     lease = Lease.acquire(store)  # one build at a time in this folder (see dataset_lease)
     try:

@@ -39,7 +39,7 @@ import time
 import uuid
 import warnings
 
-from .dataset_manifest import DatasetExistsError
+from .dataset_manifest import DatasetExistsError, inspect_output
 from .dataset_names import LEASE, TTL_S, lease_name
 
 RENEW_S = 10.0  # how often a holder renews its lease
@@ -199,3 +199,17 @@ def busy_message(store, holder: dict) -> str:
             f"finished identical build is reused), or pick another output folder. If that build is dead, its lease "
             f"expires {TTL_S:g}s after its last renewal (at once if its process on this host has ended), or delete "
             f"{store.location(lease_name(holder.get('build_id', '')))} by hand.")
+
+
+def inspect_free_output(store, identity: dict | None, *, overwrite: bool):
+    """:func:`inspect_output`'s refusals, with a folder that another live build is writing now
+    refused as busy: its shards (written before its manifest) are not read as foreign files."""
+    record = holder(store)
+    if record is None:
+        try:
+            return inspect_output(store, identity, overwrite=overwrite)
+        except DatasetExistsError:
+            record = holder(store)  # it may have started between the two looks
+            if record is None:
+                raise
+    raise DatasetBusyError(busy_message(store, record))

@@ -79,17 +79,13 @@ def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
 
 
 def _check_output(config: BuildConfig) -> None:
-    from interp_engine.dataset_lease import DatasetBusyError, busy_message, holder
-    from interp_engine.dataset_manifest import inspect_output
+    from interp_engine.dataset_lease import inspect_free_output
     from interp_engine.dataset_store import Store
     from interp_engine.dataset_uri import check_access
 
     store = Store.of(config.output)
     check_access(store, explicit=False)
-    inspect_output(store, None, overwrite=config.overwrite)
-    record = holder(store)
-    if record is not None:
-        raise DatasetBusyError(busy_message(store, record))
+    inspect_free_output(store, None, overwrite=config.overwrite)
 
 
 def _line(err: Exception) -> str:

@@ -18,10 +18,7 @@ from typing import Union
 
 from .sites import SITES as SITES
 from .sites import Site as Site
-
-
-class AddressError(ValueError):
-    """An address that does not name a point of this model (the message lists what does)."""
+from .errors import AddressError
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .address import Address
-from .analysis_checks import (AnalysisError, MissingActivations, broadcastable, check_layer, check_width,
-                              layer_count, require_held, token_ids)
+from .analysis_checks import broadcastable, check_layer, check_width, layer_count, require_held, token_ids
+from .errors import AnalysisError, MissingActivations
 from .cache import Cache
 from .protocol import HasOProj, HasUnembedding, require
 

@@ -19,16 +19,14 @@ from pathlib import Path
 
 from .address import Address
 from .cache import Cache
-from .cluster_errors import ClusterError as ClusterError
-from .cluster_errors import ShardFailed as ShardFailed
-from .cluster_errors import user_error
+from .errors import ClusterError, InputError, ShardFailed, user_error
 from .dtypes import dtype_name
 from .edits_wire import to_plain
 from .model import CaptureModel, Completion, Sampling
 from .placement import check_capacity as check_capacity
 from .placement import connect as connect
 from .placement import here, place, release
-from .tokens import InputError, Tokenizer
+from .tokens import Tokenizer
 from .unembedding import FetchedUnembedding, UnembedWeights
 
 

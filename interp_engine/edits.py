@@ -32,9 +32,9 @@ from typing import Union
 
 import torch
 
-from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
+from .address import SITES, Address, ModelInfo, check_points, to_address
+from .errors import AddressError, InputError
 from .positions import Selection, as_int, check_spec, resolve
-from .tokens import InputError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -17,7 +17,7 @@ import torch
 from .address import Address
 from .edits import EDITS, Add, Edit, Planned, Scale, Set, Zero
 from .positions import spec_to_json
-from .tokens import InputError
+from .errors import InputError, InternalError
 
 
 def wire(planned: Planned, row: int = 0) -> dict:
@@ -58,7 +58,7 @@ def from_wire(data: dict) -> Edit:
         return Set(torch.tensor(data["value"], dtype=torch.float32).reshape(data["shape"]), heads=heads)
     if kind == "zero":
         return Zero(heads=heads)
-    raise ValueError(f"[Internal] unknown edit kind {kind!r} on the wire")
+    raise InternalError(f"[Internal] unknown edit kind {kind!r} on the wire")
 
 
 def to_plain(planned: dict[Address, Planned] | None) -> dict | None:

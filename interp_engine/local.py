@@ -15,12 +15,9 @@ from pathlib import Path
 from . import embedded
 from .dtypes import to_dtype
 from .model import CaptureModel
+from .errors import ModelNotFound
 
 BACKENDS = ("eager", "vllm")
-
-
-class ModelNotFound(FileNotFoundError):
-    """The name is neither a local folder, the embedded model, nor in the local HF cache."""
 
 
 def resolve(name_or_path: str) -> Path:

@@ -20,16 +20,18 @@ problem is a :class:`~interp_engine.jobs.config.ConfigError` naming the config f
 
 from __future__ import annotations
 
-from interp_engine.jobs.config import BuildConfig, ConfigError
+from interp_engine.jobs.config import BuildConfig
+from interp_engine.errors import ConfigError
 
 
 def preflight(config: BuildConfig) -> None:
     """Raise :class:`ConfigError` (naming the field) for anything checkable before Ray starts."""
-    from interp_engine.address import AddressError
-    from interp_engine.dataset_integrity import DatasetCorruptError
-    from interp_engine.dataset_manifest import DatasetExistsError
-    from interp_engine.local import ModelNotFound, resolve
-    from interp_engine.tokens import InputError
+    from interp_engine.errors import AddressError
+    from interp_engine.errors import DatasetCorruptError
+    from interp_engine.errors import DatasetExistsError
+    from interp_engine.local import resolve
+    from interp_engine.errors import ModelNotFound
+    from interp_engine.errors import InputError
 
     try:
         folder = resolve(config.model)
@@ -79,7 +81,8 @@ def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
 
 
 def _check_output(config: BuildConfig) -> None:
-    from interp_engine.dataset_lease import DatasetBusyError, busy_message, holder
+    from interp_engine.dataset_lease import busy_message, holder
+    from interp_engine.errors import DatasetBusyError
     from interp_engine.dataset_manifest import inspect_output
     from interp_engine.dataset_store import Store
     from interp_engine.dataset_uri import check_access

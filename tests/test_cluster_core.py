@@ -9,9 +9,10 @@ import torch
 from interp_engine import InputError, parse_address, run_with_cache
 from interp_engine.actors.coordinator import CoordinatorCore
 from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
-from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard, ShardFailed
+from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard
+from interp_engine.errors import ClusterError, ShardFailed
 from interp_engine.actors.wire import unpack_dict
-from interp_engine.cluster import ClusterError, check_capacity
+from interp_engine.cluster import check_capacity
 from interp_engine.dtypes import Packed
 
 POINTS = ["resid_post.1", "z.0", "mlp_post.2", "logits"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from ..errors import InternalError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def group_sites(addresses, table: dict[str, Hook]) -> dict[Group, list]:
             continue
         hook = table.get(address.name)
         if hook is None:
-            raise ValueError(f"[Internal] the site table has no entry for {address.name!r}")
+            raise InternalError(f"[Internal] the site table has no entry for {address.name!r}")
         groups[(address.layer, hook.module, hook.phase)].append(address)
     return dict(groups)
 

@@ -19,7 +19,8 @@ from ..cache import Cache
 from ..dtypes import dtype_name
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import held_positions
-from ..tokens import InputError, Tokenizer, fed_tokens
+from ..tokens import Tokenizer, fed_tokens
+from ..errors import InputError
 from . import attention
 from .recorder import Recorder, StopForward
 from .sampling import sample_next

@@ -30,7 +30,8 @@ from ..cache import Cache
 from ..edits_wire import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
-from ..tokens import InputError, Tokenizer, fed_tokens
+from ..tokens import Tokenizer, fed_tokens
+from ..errors import InputError, InternalError
 from ..unembedding import FetchedUnembedding, UnembedWeights
 from .heads import split_heads
 from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
@@ -194,7 +195,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 rows, positions = rows[~beyond], positions[~beyond]
             if not torch.equal(positions, wanted):
                 missing = sorted(set(wanted.tolist()) - set(positions.tolist()))
-                raise RuntimeError(f"[Internal] rank {rank} recorded positions {positions.tolist()} for {address}, "
+                raise InternalError(f"[Internal] rank {rank} recorded positions {positions.tolist()} for {address}, "
                                    f"expected {wanted.tolist()} (missing {missing})")
             pieces.append(rows)
         tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]

@@ -17,6 +17,7 @@ import torch
 from . import vllm_compat
 from .vllm_hooks import WorkerRecorder
 from .vllm_kv_guard import KvBlockGuard
+from ..errors import InternalError
 
 
 class CaptureExtension:
@@ -90,5 +91,5 @@ class CaptureExtension:
             except AttributeError:
                 continue
         if head is None:
-            raise RuntimeError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
+            raise InternalError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
         return {"norm": norm, "weight": vllm_compat.embedding_weight(head)}

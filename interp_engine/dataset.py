@@ -81,7 +81,7 @@ def build_dataset(
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
-    addresses = check_points(points, model.info, model.backend, model.unserved)
+    addresses = check_points(points, model.info, model.capabilities)
     wide = [a for a in addresses if len(a.position_axes) > 1]
     if layout == "token" and wide:
         raise InputError(f"{wide[0].name!r} is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")

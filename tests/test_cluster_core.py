@@ -209,8 +209,8 @@ def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_mo
         """The local model's facts with a coordinator over in-process replicas."""
 
         def __init__(self):
-            self.info, self.backend, self.unserved, self.tok, self.name, self.dtype = (
-                local.info, local.backend, local.unserved, local.tok, local.name, local.dtype)
+            self.info, self.capabilities, self.backend, self.tok, self.name, self.dtype = (
+                local.info, local.capabilities, local.backend, local.tok, local.name, local.dtype)
             self.core = CoordinatorCore(Flaky(cores), 2, batched=True)
 
         def facts(self):

@@ -77,7 +77,8 @@ class EagerModel(CaptureModel):
         return next(self.hf.parameters()).device
 
     def o_proj_weight(self, layer: int) -> torch.Tensor:
-        return self.hf.get_submodule(self.arch.layers)[layer].get_submodule(self.arch.o_proj).weight
+        layer_module = self.hf.get_submodule(self.arch.layers)[layer]
+        return self.arch.linear_weight(layer_module.get_submodule(self.arch.o_proj).weight)
 
     def final_norm(self, resid: torch.Tensor) -> torch.Tensor:
         """The norm the model applies to the last ``resid_post`` before unembedding, ``[..., d_model]``."""
@@ -89,12 +90,12 @@ class EagerModel(CaptureModel):
         softcapping where the config has one (Gemma 2). ``unembed(final_norm(resid_post.L))``
         for the last layer is the model's own logits."""
         logits = self.hf.get_submodule(self.arch.unembed)(normed.to(self.device))
-        cap = getattr(self.hf.config, "final_logit_softcapping", None)
+        cap = self.arch.softcap(self.hf.config)
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def unembed_weight(self) -> torch.Tensor:
         """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction."""
-        return self.hf.get_submodule(self.arch.unembed).weight
+        return self.arch.linear_weight(self.hf.get_submodule(self.arch.unembed).weight)
 
     def unembed_weights(self):
         """The final norm's and the unembedding's weights as plain tensors (what a replica sends)."""

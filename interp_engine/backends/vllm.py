@@ -101,7 +101,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _check_geometry(self) -> None:
         """vLLM must run the model the config describes (some of its model classes ignore
         ``head_dim``); otherwise its activations are not this model's."""
-        ranks = run_on_loop(self._loop, "interp_geometry")
+        ranks = run_on_loop(self._loop, "interp_geometry", self.arch.vllm_attention)
         heads = sum(r["heads"] for r in ranks)
         head_size = ranks[0]["head_size"]
         if heads != self.info.n_heads or head_size != self.info.d_head:
@@ -122,7 +122,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _fetch_unembedding(self) -> UnembedWeights:
         """The final norm (identical on every rank) and the unembedding, its vocabulary shards
         joined in rank order with vLLM's vocabulary padding cut off."""
-        heads = [self.arch.unembed, "model.embed_tokens"]
+        heads = [self.arch.unembed, self.arch.embed]
         ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
         weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
         return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)

@@ -67,9 +67,10 @@ class CaptureExtension:
         recorder = self._interp_recorder()
         return unreadable_sites(list(recorder.layers), recorder.table)
 
-    def interp_geometry(self) -> dict:
-        """Heads and head size as this rank's attention kernels run them."""
-        return vllm_compat.attention_geometry(self._interp_recorder().layers[0].get_submodule("self_attn.attn"))
+    def interp_geometry(self, path: str) -> dict:
+        """Heads and head size as this rank's attention kernels run them (``path``: the kernel
+        module inside a layer, from the family record)."""
+        return vllm_compat.attention_geometry(self._interp_recorder().layers[0].get_submodule(path))
 
     def interp_o_proj_weight(self, layer: int, path: str) -> torch.Tensor:
         """This rank's block of layer ``layer``'s attention output projection weight

@@ -22,7 +22,7 @@ import torch
 from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import chunk_bounds, join_rows
-from interp_engine.cluster_errors import user_error
+from interp_engine.errors import InternalError, user_error
 from interp_engine.dataset_shard import ShardSpec, ShardStats
 from interp_engine.tokens import unpad
 
@@ -95,7 +95,7 @@ class CoordinatorCore:
                 return generated
         finally:
             self._forget(scheduler)
-        raise RuntimeError("[Internal] the generate shard produced no result")
+        raise InternalError("[Internal] the generate shard produced no result")
 
     def build(self, build_id: str, spec: ShardSpec, source, skip: set[int]) -> int:
         """Write every shard not in ``skip``; returns how many were written. ``progress(build_id)``

@@ -49,9 +49,7 @@ class ReplicaFacts:
     """What the driver needs to know about the model a replica serves."""
 
     info: Any  # ModelInfo
-    backend: str
-    batched: bool
-    unserved: frozenset
+    capabilities: Any  # Capabilities of the loaded model
     model_dtype: str
     node: str
     pid: int
@@ -80,7 +78,7 @@ class ReplicaCore:
         with tempfile.TemporaryDirectory() as tmp:
             self.model.tok.hf.save_pretrained(tmp)
             files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
-        return ReplicaFacts(self.model.info, self.model.backend, self.model.batched, frozenset(self.model.unserved),
+        return ReplicaFacts(self.model.info, self.model.capabilities,
                             self.model.dtype, self.node, os.getpid(), files)
 
     def weights_sha256(self) -> str:

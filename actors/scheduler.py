@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from interp_engine import cancel
-from interp_engine.cluster_errors import ShardFailed
+from interp_engine.errors import ShardFailed
 
 from .wire import relabel, where
 

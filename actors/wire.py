@@ -14,6 +14,7 @@ import torch
 
 from interp_engine.address import Address, format_address, parse_address
 from interp_engine.dtypes import Packed
+from interp_engine.errors import RemoteError
 
 
 def pack_dict(data: dict[Address, torch.Tensor]) -> dict[str, Packed]:
@@ -55,13 +56,6 @@ class Generated:
     @property
     def nbytes(self) -> int:
         return Captured(self.tensors, self.tokens, self.positions).nbytes
-
-
-class RemoteError(RuntimeError):
-    """An error raised inside a replica or the coordinator, with where it happened.
-
-    The original exception is ``__cause__``; the message starts with the replica and shard.
-    """
 
 
 def where(replica: int, shard: int | None, node: str = "") -> str:

@@ -7,7 +7,6 @@ either with the same calls.
 
 from .address import SITES as SITES
 from .address import Address as Address
-from .address import AddressError as AddressError
 from .address import ModelInfo as ModelInfo
 from .address import format_address as format_address
 from .address import parse_address as parse_address
@@ -18,13 +17,8 @@ from .analysis import final_scale as final_scale
 from .analysis import head_contributions as head_contributions
 from .analysis import logit_attribution as logit_attribution
 from .analysis import stack as stack
-from .analysis_checks import AnalysisError as AnalysisError
-from .analysis_checks import MissingActivations as MissingActivations
 from .cache import Cache as Cache
-from .cache import CacheFileError as CacheFileError
 from .compare import relative_error as relative_error
-from .cluster import ClusterError as ClusterError
-from .cluster import ShardFailed as ShardFailed
 from .edits import Add as Add
 from .edits import Scale as Scale
 from .edits import Set as Set
@@ -32,18 +26,9 @@ from .edits import Zero as Zero
 from .dataset import ActivationDataset as ActivationDataset
 from .dataset import build_dataset as build_dataset
 from .dataset_export import export_saelens as export_saelens
-from .dataset_integrity import DatasetCorruptError as DatasetCorruptError
-from .dataset_integrity import DatasetRepairWarning as DatasetRepairWarning
-from .dataset_lease import DatasetBusyError as DatasetBusyError
-from .dataset_lease import DatasetLeaseWarning as DatasetLeaseWarning
-from .dataset_manifest import DatasetExistsError as DatasetExistsError
-from .dataset_manifest import DatasetForeignFilesWarning as DatasetForeignFilesWarning
-from .dataset_uri import StorageError as StorageError
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens
-from .backends.vllm_engine import EngineMemoryError as EngineMemoryError
-from .loading import ModelNotFound as ModelNotFound
 from .loading import load_model as load_model
 from .model import CaptureModel as CaptureModel
 from .model import Completion as Completion
@@ -53,9 +38,31 @@ from .protocol import CaptureBackend as CaptureBackend
 from .protocol import HasOProj as HasOProj
 from .protocol import HasUnembedding as HasUnembedding
 from .protocol import WritesShards as WritesShards
-from .moe import RoutingError as RoutingError
 from .moe import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID
-from .tokens import InputError as InputError
+
+from .errors import AddressError as AddressError
+from .errors import AnalysisError as AnalysisError
+from .errors import CacheFileError as CacheFileError
+from .errors import Cancelled as Cancelled
+from .errors import ClusterError as ClusterError
+from .errors import DatasetBusyError as DatasetBusyError
+from .errors import DatasetCorruptError as DatasetCorruptError
+from .errors import DatasetExistsError as DatasetExistsError
+from .errors import DatasetForeignFilesWarning as DatasetForeignFilesWarning
+from .errors import DatasetLeaseWarning as DatasetLeaseWarning
+from .errors import DatasetRepairWarning as DatasetRepairWarning
+from .errors import EngineMemoryError as EngineMemoryError
+from .errors import EngineStopped as EngineStopped
+from .errors import InputError as InputError
+from .errors import InternalError as InternalError
+from .errors import LoopbackError as LoopbackError
+from .errors import MissingActivations as MissingActivations
+from .errors import ModelNotFound as ModelNotFound
+from .errors import PromptsError as PromptsError
+from .errors import RoutingError as RoutingError
+from .errors import ShardFailed as ShardFailed
+from .errors import StorageError as StorageError
+from .errors import UnsupportedVllmVersion as UnsupportedVllmVersion
 
 from .version import VERSION as __version__

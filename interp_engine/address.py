@@ -16,12 +16,10 @@ import numbers
 from collections.abc import Iterable
 from typing import Union
 
+from .capabilities import Capabilities
 from .sites import SITES as SITES
 from .sites import Site as Site
-
-
-class AddressError(ValueError):
-    """An address that does not name a point of this model (the message lists what does)."""
+from .errors import AddressError
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -132,31 +130,31 @@ class ModelInfo:
         return self.n_experts > 0
 
 
-def valid_sites(info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> list[str]:
-    """The site names this model serves on this backend."""
-    unserved = set(unserved)
+def valid_sites(info: ModelInfo, caps: Capabilities) -> list[str]:
+    """The site names this model serves on the backend whose capabilities are ``caps``."""
     names = []
     for site in SITES.values():
         if site.moe and not info.is_moe:
             continue
         if info.sites and site.name not in info.sites:
             continue
-        if site.eager_only and backend != "eager":
+        if site.needs_pattern and not caps.forms_pattern:
             continue
-        if site.name not in unserved:
+        if site.name not in caps.unserved:
             names.append(site.name)
     return names
 
 
-def check_address(address: Address, info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> None:
+def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None:
     """Raise an :class:`AddressError` that lists the valid options unless this model serves
-    ``address`` on ``backend``. ``unserved`` names sites the backend cannot read exactly."""
+    ``address`` on the backend whose capabilities are ``caps`` (``caps.unserved``: the sites it
+    cannot read exactly)."""
     site = SITES[address.name]
-    unserved = set(unserved)
+    backend = caps.name
     if site.moe and not info.is_moe:
         raise AddressError(
             f"{format_address(address)!r}: {info.name} is a dense model and has no MoE router; "
-            f"valid sites: {', '.join(valid_sites(info, backend, unserved))}"
+            f"valid sites: {', '.join(valid_sites(info, caps))}"
         )
     if site.single_stream and info.n_streams > 1:
         raise AddressError(
@@ -169,22 +167,22 @@ def check_address(address: Address, info: ModelInfo, backend: str, unserved: Ite
         raise AddressError(
             f"{format_address(address)!r}: the {info.family or info.name} family table has no {address.name!r} "
             f"(its module is laid out differently there); valid sites: "
-            f"{', '.join(valid_sites(info, backend, unserved))}"
+            f"{', '.join(valid_sites(info, caps))}"
         )
-    if site.eager_only and backend != "eager":
+    if site.needs_pattern and not caps.forms_pattern:
         raise AddressError(
             f"{format_address(address)!r} is eager-only: the {backend} backend never forms it. "
             f"Load the model with backend='eager' to capture it."
         )
-    if address.name in unserved and site.fallback:
+    if address.name in caps.unserved and site.fallback:
         raise AddressError(
             f"{format_address(address)!r} is not served on the {backend} backend for {info.name}: "
             + site.fallback.format(L=address.layer)
         )
-    if address.name in unserved:
+    if address.name in caps.unserved:
         raise AddressError(
             f"{format_address(address)!r} is not served on the {backend} backend; "
-            f"valid sites there: {', '.join(valid_sites(info, backend, unserved))}"
+            f"valid sites there: {', '.join(valid_sites(info, caps))}"
         )
     if site.per_layer:
         layers = info.moe_layers if site.moe and info.moe_layers else range(info.n_layers)
@@ -215,38 +213,37 @@ def _candidates(info: ModelInfo, site: Site, layer: int | None = None) -> list[A
     return [Address(site.name, L, s) for L in layers for s in streams]
 
 
-def _served(address: Address, info: ModelInfo, backend: str, unserved) -> bool:
+def _served(address: Address, info: ModelInfo, caps: Capabilities) -> bool:
     try:
-        check_address(address, info, backend, unserved)
+        check_address(address, info, caps)
     except AddressError:
         return False
     return True
 
 
-def all_points(info: ModelInfo, backend: str, unserved: Iterable[str] = (), site: str | None = None) -> list[Address]:
-    """Every address the model serves on ``backend``, in forward order: layer by layer, the
+def all_points(info: ModelInfo, caps: Capabilities, site: str | None = None) -> list[Address]:
+    """Every address the model serves on the backend of ``caps``, in forward order: layer by layer, the
     sites of each layer in the order of :data:`SITES`, streams in order, ``logits`` last.
     ``site`` keeps one site's addresses (in layer order)."""
-    unserved = set(unserved)
     if site is not None and site not in SITES:
         raise AddressError(f"unknown site {site!r}; known sites: {', '.join(SITES)}")
     sites = [SITES[site]] if site is not None else list(SITES.values())
     layered = [s for s in sites if s.per_layer]
     out = [a for L in range(info.n_layers) for s in layered for a in _candidates(info, s, L)]
     out += [Address(s.name) for s in sites if not s.per_layer]
-    return [a for a in out if _served(a, info, backend, unserved)]
+    return [a for a in out if _served(a, info, caps)]
 
 
-def _expand(point, info: ModelInfo, backend: str, unserved) -> list[Address]:
+def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
     """One user point as addresses: a whole site (``"resid_post"``, ``"resid_streams.5"``) and a
     filter (a callable on Address) expand, in forward order; anything else is one address."""
     if callable(point) and not isinstance(point, (Address, str, tuple)):
-        found = [a for a in all_points(info, backend, unserved) if point(a)]
+        found = [a for a in all_points(info, caps) if point(a)]
         if not found:
             raise AddressError(
                 f"the point filter {getattr(point, '__name__', point)!r} matched no address of {info.name} on the "
-                f"{backend} backend; model.points() lists the valid ones (e.g. "
-                f"{', '.join(format_address(a) for a in all_points(info, backend, unserved)[:3])}, ...)"
+                f"{caps.name} backend; model.points() lists the valid ones (e.g. "
+                f"{', '.join(format_address(a) for a in all_points(info, caps)[:3])}, ...)"
             )
         return found
     if isinstance(point, str):
@@ -259,10 +256,10 @@ def _expand(point, info: ModelInfo, backend: str, unserved) -> list[Address]:
                 layer = parse_address(f"{name}.{coords[0]}.0").layer
             candidates = _candidates(info, site, layer)
             if layer is not None:
-                check_address(Address(name, layer, 0), info, backend, unserved)
-            found = [a for a in candidates if _served(a, info, backend, unserved)]
+                check_address(Address(name, layer, 0), info, caps)
+            found = [a for a in candidates if _served(a, info, caps)]
             if not found:
-                check_address(candidates[0], info, backend, unserved)  # raises the reason, with the options
+                check_address(candidates[0], info, caps)  # raises the reason, with the options
             return found
     return [to_address(point)]
 
@@ -275,7 +272,7 @@ def _one_tuple(points) -> bool:
             and all(isinstance(x, numbers.Integral) for x in points[1:]))
 
 
-def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] = ()) -> list[Address]:
+def check_points(points, info: ModelInfo, caps: Capabilities) -> list[Address]:
     """Turn the user's point list into Addresses, checked against the model.
 
     A point is an Address, its string form, a tuple, a whole site (``"resid_post"``: every
@@ -284,7 +281,6 @@ def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] 
     on every backend. Duplicates are dropped (the first occurrence keeps its place): asking twice
     for a point captures it once.
     """
-    unserved = set(unserved)
     if isinstance(points, (str, Address)) or callable(points) or _one_tuple(points):
         points = [points]
     if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
@@ -295,7 +291,7 @@ def check_points(points, info: ModelInfo, backend: str, unserved: Iterable[str] 
     points = list(points)
     if not points:
         raise AddressError("no points to capture: pass e.g. ['resid_post.0'] or [Address('resid_post', 0)]")
-    addresses = list(dict.fromkeys(a for p in points for a in _expand(p, info, backend, unserved)))
+    addresses = list(dict.fromkeys(a for p in points for a in _expand(p, info, caps)))
     for address in addresses:
-        check_address(address, info, backend, unserved)
+        check_address(address, info, caps)
     return addresses

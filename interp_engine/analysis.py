@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .address import Address
-from .analysis_checks import (AnalysisError, MissingActivations, broadcastable, check_layer, check_width,
-                              layer_count, require_held, token_ids)
+from .analysis_checks import broadcastable, check_layer, check_width, layer_count, require_held, token_ids
+from .errors import AnalysisError, InternalError, MissingActivations
 from .cache import Cache
 from .protocol import HasOProj, HasUnembedding, require
 
@@ -34,7 +34,12 @@ def head_contributions(model, cache: Cache, layer: int) -> torch.Tensor:
     if tuple(z.shape[-2:]) != (model.n_heads, model.d_head):
         raise AnalysisError(f"head_contributions: z.{layer} in this cache is {tuple(z.shape[-2:])} (heads, d_head), "
                             f"but {model.name} has ({model.n_heads}, {model.d_head}): it comes from another model")
-    weight = model.o_proj_weight(layer)  # [d_model, h * d_head]
+    weight = model.o_proj_weight(layer)  # [d_model, h * d_head], as nn.Linear holds it (Arch.linear_weight)
+    if tuple(weight.shape) != (model.d_model, model.n_heads * model.d_head):
+        raise InternalError(
+            f"[Internal] o_proj_weight({layer}) is {tuple(weight.shape)}, not [d_model, n_heads * d_head] = "
+            f"{[model.d_model, model.n_heads * model.d_head]}: the family record's weights= ('out_in' / 'in_out') "
+            f"does not say how this model stores it")
     w = weight.reshape(weight.shape[0], model.n_heads, model.d_head).to(z.dtype)
     return torch.einsum("bphd,mhd->bphm", z, w.to(z.device))
 

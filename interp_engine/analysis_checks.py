@@ -19,18 +19,7 @@ import torch
 
 from .address import format_address
 from .cache import Cache
-from .tokens import InputError
-
-
-class AnalysisError(InputError):
-    """An argument an analysis helper cannot use (the message says what is wrong and what to pass)."""
-
-
-class MissingActivations(AnalysisError, KeyError):
-    """The cache lacks activations the helper needs (the message names them and what to capture).
-    Also a ``KeyError``, as a missing key of the cache is."""
-
-    __str__ = BaseException.__str__  # the message as written, not KeyError's quoted repr
+from .errors import AnalysisError, MissingActivations
 
 
 def layer_count(cache: Cache, model=None) -> tuple[int, str]:

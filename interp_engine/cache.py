@@ -22,18 +22,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .address import Address, AddressError, AddressLike, format_address, parse_address, to_address
-from .tokens import InputError
+from .address import Address, AddressLike, format_address, parse_address, to_address
+from .errors import AddressError, CacheFileError
 
 _TOKENS = "__tokens__"
 _MASK = "__mask__"
 _POSITIONS = "__positions__"
 _FORMAT = "interp_engine.cache/1"
-
-
-class CacheFileError(InputError):
-    """A file :meth:`Cache.load` cannot read as a cache: not one, damaged, or inconsistent
-    (the message names the file and what is wrong with it)."""
 
 
 class Cache(Mapping):

@@ -25,16 +25,13 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
+from .errors import Cancelled
 
 #: how often a synchronous wait on another thread's work (the vLLM engine's) asks the stop check
 POLL_S = 0.02
 
 _stop_check: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
     "interp_engine_stop_check", default=None)
-
-
-class Cancelled(RuntimeError):
-    """The caller of this capture cancelled it; the work stopped before it finished."""
 
 
 @contextlib.contextmanager

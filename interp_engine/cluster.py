@@ -19,16 +19,15 @@ from pathlib import Path
 
 from .address import Address
 from .cache import Cache
-from .cluster_errors import ClusterError as ClusterError
-from .cluster_errors import ShardFailed as ShardFailed
-from .cluster_errors import user_error
+from .errors import ClusterError, InputError, ShardFailed, user_error
 from .dtypes import dtype_name
 from .edits_wire import to_plain
+from .capabilities import backend_class
 from .model import CaptureModel, Completion, Sampling
 from .placement import check_capacity as check_capacity
 from .placement import connect as connect
 from .placement import here, place, release
-from .tokens import InputError, Tokenizer
+from .tokens import Tokenizer
 from .unembedding import FetchedUnembedding, UnembedWeights
 
 
@@ -64,8 +63,8 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
     cluster_gpus = ray.cluster_resources().get("GPU", 0)
     if gpus_per_replica is None:
         gpus_per_replica = tp if cluster_gpus and device in (None, "cuda") else 0
-    if device is None and gpus_per_replica:
-        device = "cuda" if backend == "eager" else None
+    if device is None and gpus_per_replica and backend_class(backend).capabilities.takes_device:
+        device = "cuda"
     check_capacity(ray.nodes(), replicas, gpus_per_replica, cpus_per_replica)
     placement = place(replicas, gpus_per_replica, cpus_per_replica, startup_timeout)
     spec = ReplicaSpec(str(name_or_path), backend, dtype_name(dtype), device,
@@ -88,7 +87,7 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
         raise
     names = {i: f.node for i, f in enumerate(facts)}
     coordinator = coordinator_actor().options(scheduling_strategy=here()).remote(
-        handles, facts[0].batched, max_in_flight_per_replica, names)
+        handles, facts[0].capabilities.batched, max_in_flight_per_replica, names)
     return ClusterModel(facts, handles, coordinator, placement)
 
 
@@ -121,15 +120,14 @@ def _tokenizer(files: dict[str, bytes]):
 class ClusterModel(FetchedUnembedding, CaptureModel):
     """A :class:`CaptureModel` served by replicas on a Ray cluster (see the module docstring)."""
 
-    batched = True
     batch_hint = "For a batch, run_with_cache(model, tokens, points) takes it whole and splits it over the replicas."
 
     def __init__(self, facts, handles, coordinator, placement):
         first = facts[0]
         self.info = first.info
-        self.backend = first.backend
+        # the replicas' backend, except that the coordinator splits a batch over them
+        self.capabilities = dataclasses.replace(first.capabilities, batched=True)
         self.dtype = first.model_dtype
-        self.unserved = first.unserved
         self.tok = Tokenizer(_tokenizer(first.tokenizer_files))
         self.replica_facts = list(facts)
         self._replicas = list(handles)

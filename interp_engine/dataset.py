@@ -30,7 +30,7 @@ from .dataset_store import Store
 from .dataset_uri import check_access, check_writable
 from .positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
 from .protocol import WritesShards
-from .tokens import InputError
+from .errors import InputError, InternalError
 
 _SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
 
@@ -81,7 +81,7 @@ def build_dataset(
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
-    addresses = check_points(points, model.info, model.backend, model.unserved)
+    addresses = check_points(points, model.info, model.capabilities)
     wide = [a for a in addresses if len(a.position_axes) > 1]
     if layout == "token" and wide:
         raise InputError(f"{wide[0].name!r} is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
@@ -165,7 +165,7 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     if bar is not None:
         bar.close()
     if len(stats) != n_shards:
-        raise RuntimeError(f"[Internal] {len(stats)} of {n_shards} shards were written; rerun to resume")
+        raise InternalError(f"[Internal] {len(stats)} of {n_shards} shards were written; rerun to resume")
     rows = sum(s.rows for s in stats)
     seconds = time.perf_counter() - started
     result = {"rows": rows, "shards": n_shards, "prompts": scan.count, "tokens": scan.tokens,

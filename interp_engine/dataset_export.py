@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from .address import parse_address
 from .dataset_columns import to_numpy
-from .tokens import InputError
+from .errors import InputError
 
 #: our site name -> TransformerLens hook name (``{L}`` is the layer)
 TL_HOOKS = {

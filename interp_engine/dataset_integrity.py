@@ -29,14 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .dataset_columns import IDENTITY_KEY, INDEX_KEY
-
-
-class DatasetCorruptError(RuntimeError):
-    """Shards of a dataset are missing or do not match the manifest (the message names them)."""
-
-
-class DatasetRepairWarning(UserWarning):
-    """A resume found a shard that failed its check and is rewriting it."""
+from .errors import DatasetCorruptError, DatasetRepairWarning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,19 +39,12 @@ import time
 import uuid
 import warnings
 
-from .dataset_manifest import DatasetExistsError, inspect_output
+from .dataset_manifest import inspect_output
+from .errors import DatasetBusyError, DatasetExistsError, DatasetLeaseWarning
 from .dataset_names import LEASE, TTL_S, lease_name
 
 RENEW_S = 10.0  # how often a holder renews its lease
 _ATTEMPTS = 6  # contending without a holder: retries before refusing
-
-
-class DatasetBusyError(DatasetExistsError):
-    """Another build is writing into this output now (the message names it)."""
-
-
-class DatasetLeaseWarning(UserWarning):
-    """A dead build's lease was found and removed."""
 
 
 class Lease:

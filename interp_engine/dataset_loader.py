@@ -24,7 +24,7 @@ import torch
 
 from .dataset_columns import DTYPE_KEY, DTYPES, to_numpy
 from .dtypes import as_bfloat16
-from .tokens import InputError
+from .errors import InputError
 
 _READ_ROWS = 1024  # rows per record batch read from a shard
 

@@ -29,20 +29,12 @@ import json
 import warnings
 import weakref
 
-from .dataset_integrity import DatasetCorruptError
+from .errors import DatasetCorruptError, DatasetExistsError, DatasetForeignFilesWarning
 from .dataset_names import LEASE, MANIFEST, SHARD, TTL_S, is_ours, is_temp, is_unleased_temp, shard_name
 from .fingerprint import weights_fingerprint as weights_fingerprint
 
 #: 3: length-prefixed prompt hash, shard index in each file; 2: nested fixed-size lists, bf16 as exact float32
 FORMAT = "interp_engine.dataset/3"
-
-
-class DatasetExistsError(FileExistsError):
-    """The output path holds a different dataset (or other files)."""
-
-
-class DatasetForeignFilesWarning(UserWarning):
-    """The output folder holds files that are not the dataset's; the build left them alone."""
 
 
 #: tokenizer -> ((size, special tokens), digest): hashing a 49k-entry vocabulary takes 0.1-0.15 s,

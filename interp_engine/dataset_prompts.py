@@ -20,11 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .tokens import InputError
-
-
-class PromptsError(InputError):
-    """The prompts cannot be read or are unusable (the message says which and how to fix)."""
+from .errors import PromptsError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
     from ray.data.datasource import Datasource, ReadTask
 
     if not isinstance(num_cpus, (int, float)) or isinstance(num_cpus, bool) or num_cpus < 0:
-        from .tokens import InputError
+        from .errors import InputError
 
         raise InputError(f"num_cpus must be a number >= 0 (CPUs reserved per read task), got {num_cpus!r}")
     if not ray.is_initialized():
@@ -76,7 +76,7 @@ def as_tensors(table: pa.Table) -> pa.Table:
 def _wait_for_cpus(num_cpus: float, wait_s: float) -> None:
     import ray
 
-    from .cluster import ClusterError
+    from .errors import ClusterError
 
     deadline = time.monotonic() + wait_s
     while True:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from .address import format_address
-from .dataset_integrity import DatasetCorruptError, verify_dataset
+from .dataset_integrity import verify_dataset
+from .errors import DatasetCorruptError
 from .dataset_manifest import MANIFEST, read_manifest
 from .dataset_shard import read_tensor, shard_name
 from .dataset_store import Store

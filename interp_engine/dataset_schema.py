@@ -16,7 +16,7 @@ import json
 import re
 
 from .dataset_columns import DTYPES
-from .dataset_integrity import DatasetCorruptError
+from .errors import DatasetCorruptError
 from .dataset_names import MANIFEST, shard_name
 from .dataset_shard import LAYOUTS
 

@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from .tokens import InputError
+from .errors import InputError, StorageError
 
 #: URI schemes pyarrow opens (``file`` and plain paths are local)
 SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-class StorageError(InputError):
-    """The dataset's location cannot be used (unknown scheme, no bucket, no credentials, read-only)."""
 
 
 def resolve_output(output, filesystem: pafs.FileSystem | None = None) -> tuple[pafs.FileSystem, str, str]:

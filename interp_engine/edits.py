@@ -32,9 +32,10 @@ from typing import Union
 
 import torch
 
-from .address import SITES, Address, AddressError, ModelInfo, check_points, to_address
+from .address import SITES, Address, ModelInfo, check_points, to_address
+from .capabilities import Capabilities
+from .errors import AddressError, InputError
 from .positions import Selection, as_int, check_spec, resolve
-from .tokens import InputError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,12 +79,6 @@ class Zero:
 Edit = Union[Add, Scale, Set, Zero]
 EDITS = (Add, Scale, Set, Zero)
 
-#: sites an edit may write, per backend (the site must also be served by the model's family)
-WRITABLE = {
-    "eager": ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v",
-              "pattern", "resid_streams"),
-    "vllm": ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v"),
-}
 #: sites whose per-position block has a head axis (``heads=`` applies)
 HEAD_SITES = ("z", "q", "k", "v", "pattern")
 
@@ -114,11 +109,11 @@ def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, 
     return (info.d_model,)
 
 
-def check_edits(edits, info: ModelInfo, backend: str, unserved, tokens: torch.Tensor, *,
+def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor, *,
                 generating: bool = False, max_tokens: int | None = None) -> dict[Address, Planned] | None:
     """Validate ``edits`` against the model and a checked batch; None when there are none.
 
-    Raises :class:`AddressError` for an address this backend cannot write and
+    Raises :class:`AddressError` for an address the backend (its capabilities ``caps``) cannot write and
     :class:`InputError` for an edit that does not fit the address or the batch."""
     if edits is None:
         return None
@@ -127,18 +122,20 @@ def check_edits(edits, info: ModelInfo, backend: str, unserved, tokens: torch.Te
                          f"got {type(edits).__name__}")
     lengths = (tokens >= 0).sum(dim=1).tolist()
     planned: dict[Address, Planned] = {}
-    writable = [s for s in WRITABLE.get(backend, ()) if s in info.sites and s not in unserved]
+    writable = [s for s in SITES
+                if s in caps.writable and (not info.sites or s in info.sites) and s not in caps.unserved]
     for point, edit in edits.items():
         name = _site_name(point)
         if name not in writable:
             raise AddressError(
-                f"{point!r} cannot be edited on the {backend} backend"
-                + (" (vLLM never forms the attention pattern)" if name == "pattern" else "")
+                f"{point!r} cannot be edited on the {caps.name} backend"
+                + (f" ({caps.label} never forms the attention pattern)"
+                   if name in SITES and SITES[name].needs_pattern and not caps.forms_pattern else "")
                 + f"; writable sites of this model there: {', '.join(writable)}")
-        (address,) = _one_address(point, info, backend, unserved)
+        (address,) = _one_address(point, info, caps)
         if address in planned:
             raise InputError(f"two edits on {address}: give one edit per address")
-        planned[address] = _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
+        planned[address] = _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens)
     return planned or None
 
 
@@ -151,18 +148,18 @@ def _site_name(point) -> str:
     return to_address(point).name
 
 
-def _one_address(point, info, backend, unserved) -> list[Address]:
-    addresses = check_points([point], info, backend, unserved)
+def _one_address(point, info, caps) -> list[Address]:
+    addresses = check_points([point], info, caps)
     if len(addresses) != 1 or addresses[0].layer is None:
         raise AddressError(f"an edit writes one layer's address such as 'resid_post.3', got {point!r}")
     return addresses
 
 
-def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens) -> Planned:
+def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) -> Planned:
     if callable(edit) and not isinstance(edit, EDITS):
-        if backend != "eager":
+        if not caps.function_edits:
             raise InputError(
-                f"edit on {address}: a Python function is an edit on the eager backend only; the {backend} backend "
+                f"edit on {address}: a Python function is an edit on the eager backend only; the {caps.name} backend "
                 f"takes edits as data: Add(vector), Scale(factor), Set(value), Zero() (with positions=, heads=)")
         return Planned(address, edit)
     if not isinstance(edit, EDITS):
@@ -190,14 +187,15 @@ def _plan(address, edit, info, backend, tokens, lengths, generating, max_tokens)
     elif isinstance(edit, Set):
         value = _tensor(address, "Set's value", edit.value)
         whole = (tokens.shape[0], tokens.shape[1], *block)
-        if backend == "eager" and not generating and tuple(value.shape) == whole and address.query_axis == 1:
+        whole_ok = caps.whole_value_edits and not generating
+        if whole_ok and tuple(value.shape) == whole and address.query_axis == 1:
             if positions is not None or heads is not None:
                 raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value takes no "
                                  f"positions= or heads= (it sets every position it gives)")
             changes["value"], full = value, True
         else:
             changes["value"] = _fit(address, "Set's value", value, block,
-                                    whole=whole if backend == "eager" and not generating else None)
+                                    whole=whole if whole_ok else None)
     return Planned(address, dataclasses.replace(edit, **changes), selection, full)
 
 

@@ -1,9 +1,11 @@
 """Edits on the wire: checked edits as plain data, for the processes that apply them elsewhere.
 
-Two forms. :func:`wire` describes one planned edit for a vLLM worker (lists and numbers, with
-a digest so that equal edits are applied together), :func:`from_wire` reads it back. For a
-cluster replica, :func:`to_plain` keeps the tensors as numpy arrays and the positions spec as the
-user gave it (each replica resolves it against its own rows), :func:`from_plain` reads it back.
+Two forms. :func:`wire` describes one planned edit for a vLLM worker (numbers and float32 CPU
+tensors, which vLLM's ``collective_rpc`` carries as buffers, with a digest so that equal edits are
+applied together), :func:`from_wire` reads it back. For a cluster replica, :func:`to_plain` keeps
+the tensors as numpy arrays (what Ray returns zero-copy) and the positions spec as the user gave it
+(each replica resolves it against its own rows), :func:`from_plain` reads it back. A tensor never
+becomes a Python list on the way.
 Only data crosses: a Python function edit is refused with an error that says what to use instead.
 """
 
@@ -17,24 +19,24 @@ import torch
 from .address import Address
 from .edits import EDITS, Add, Edit, Planned, Scale, Set, Zero
 from .positions import spec_to_json
-from .tokens import InputError
+from .errors import InputError, InternalError
 
 
 def wire(planned: Planned, row: int = 0) -> dict:
-    """One planned edit as plain data for a vLLM worker (lists and numbers; no code)."""
+    """One planned edit as plain data for a vLLM worker (numbers and CPU tensors; no code)."""
     edit = planned.edit
     out: dict = {"kind": type(edit).__name__.lower(), "heads": list(edit.heads) if edit.heads else None}
     digest = hashlib.blake2b(repr((out["kind"], out["heads"])).encode(), digest_size=16)
     if isinstance(edit, Add):
-        out.update(vector=edit.vector.flatten().tolist(), shape=list(edit.vector.shape), scale=edit.scale,
-                   norm_relative=edit.norm_relative)
+        out.update(vector=edit.vector.detach().to("cpu", torch.float32), shape=list(edit.vector.shape),
+                   scale=edit.scale, norm_relative=edit.norm_relative)
         digest.update(repr((edit.scale, edit.norm_relative, out["shape"])).encode())
         digest.update(edit.vector.contiguous().numpy().tobytes())
     elif isinstance(edit, Scale):
         out["factor"] = edit.factor
         digest.update(repr(edit.factor).encode())
     elif isinstance(edit, Set):
-        out.update(value=edit.value.flatten().tolist(), shape=list(edit.value.shape))
+        out.update(value=edit.value.detach().to("cpu", torch.float32), shape=list(edit.value.shape))
         digest.update(repr(out["shape"]).encode())
         digest.update(edit.value.contiguous().numpy().tobytes())
     #: equal edits have equal digests (a worker applies them to all their rows at once)
@@ -47,18 +49,22 @@ def wire(planned: Planned, row: int = 0) -> dict:
 
 def from_wire(data: dict) -> Edit:
     """The edit :func:`wire` described (tensors float32, on the CPU)."""
+    for key in ("vector", "value"):
+        if key in data and not isinstance(data[key], torch.Tensor):
+            raise InternalError(f"[Internal] an edit's {key} reached the worker as {type(data[key]).__name__}, "
+                                f"not a tensor: edits travel as tensors (edits_wire.wire)")
     heads = tuple(data["heads"]) if data.get("heads") else None
     kind = data["kind"]
     if kind == "add":
-        vector = torch.tensor(data["vector"], dtype=torch.float32).reshape(data["shape"])
+        vector = data["vector"].to(torch.float32).reshape(data["shape"])
         return Add(vector, data["scale"], norm_relative=data["norm_relative"], heads=heads)
     if kind == "scale":
         return Scale(data["factor"], heads=heads)
     if kind == "set":
-        return Set(torch.tensor(data["value"], dtype=torch.float32).reshape(data["shape"]), heads=heads)
+        return Set(data["value"].to(torch.float32).reshape(data["shape"]), heads=heads)
     if kind == "zero":
         return Zero(heads=heads)
-    raise ValueError(f"[Internal] unknown edit kind {kind!r} on the wire")
+    raise InternalError(f"[Internal] unknown edit kind {kind!r} on the wire")
 
 
 def to_plain(planned: dict[Address, Planned] | None) -> dict | None:
@@ -93,7 +99,7 @@ def from_plain(plain: dict | None) -> dict[str, Edit] | None:
         data = dict(data)
         for key in ("vector", "value"):
             if key in data:
-                data[key] = torch.from_numpy(data[key].copy()).flatten().tolist()
+                data[key] = torch.from_numpy(data[key].copy())
         edit = from_wire({**data, "heads": data.get("heads")})
         positions = data["positions"]
         if isinstance(positions, dict):

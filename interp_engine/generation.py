@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any
 
-from .tokens import InputError
+from .errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 from .address import Address
-from .analysis_checks import AnalysisError, MissingActivations, check_layer, check_width
+from .analysis_checks import check_layer, check_width
+from .errors import AnalysisError, MissingActivations
 from .cache import Cache
 from .protocol import HasUnembedding, require
 

@@ -10,10 +10,10 @@ never downloads.
 from __future__ import annotations
 
 from . import embedded
-from .local import BACKENDS, ModelNotFound, load_local, resolve
+from .local import BACKENDS, load_local, resolve
 from .model import CaptureModel
 
-__all__ = ["BACKENDS", "ModelNotFound", "load_model", "resolve"]
+__all__ = ["BACKENDS", "load_model", "resolve"]
 
 
 def load_model(

@@ -13,14 +13,13 @@ import os
 from pathlib import Path
 
 from . import embedded
+from .capabilities import LOADERS, backend_class
 from .dtypes import to_dtype
 from .model import CaptureModel
+from .errors import ModelNotFound
 
-BACKENDS = ("eager", "vllm")
-
-
-class ModelNotFound(FileNotFoundError):
-    """The name is neither a local folder, the embedded model, nor in the local HF cache."""
+#: the ``backend=`` names (see :data:`.capabilities.LOADERS`)
+BACKENDS = tuple(LOADERS)
 
 
 def resolve(name_or_path: str) -> Path:
@@ -57,29 +56,15 @@ def _hub_cache() -> str | None:
 
 def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool = False, dtype="float32",
                device: str | None = None, **backend_options) -> CaptureModel:
-    """Load ``name_or_path`` on ``backend`` in this process (see :func:`interp_engine.load_model`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    """Load ``name_or_path`` on ``backend`` in this process (see :func:`interp_engine.load_model`):
+    the backend's class is looked up in :data:`~.capabilities.LOADERS` and loads it."""
+    cls = backend_class(backend)
     path = resolve(name_or_path)
-    name = str(name_or_path)
-    if backend == "vllm":
-        if requires_grad:
-            raise ValueError("requires_grad=True is eager-only: vLLM computes no gradients. Use backend='eager'.")
-        from .backends.vllm import load_vllm
-
-        model = load_vllm(path, name, dtype=to_dtype(dtype), **backend_options)
-        model.source = path
-        return model
-    if backend_options:
-        raise TypeError(f"options {sorted(backend_options)} are not eager-backend options")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .backends.eager import EagerModel
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=to_dtype(dtype))
-    if device:
-        hf = hf.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = EagerModel(hf, tokenizer, name, requires_grad=requires_grad)
+    if requires_grad and not cls.capabilities.gradients:
+        with_grad = [n for n in BACKENDS if backend_class(n).capabilities.gradients]
+        raise ValueError(f"requires_grad=True is {'/'.join(with_grad)}-only: {cls.capabilities.label} computes no "
+                         f"gradients. Use backend={with_grad[0]!r}.")
+    model = cls.load(path, str(name_or_path), dtype=to_dtype(dtype), device=device, requires_grad=requires_grad,
+                     **backend_options)
     model.source = path
     return model

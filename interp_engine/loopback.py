@@ -28,15 +28,11 @@ import secrets
 import socket
 from pathlib import Path
 
-from .cluster_errors import ClusterError
+from .errors import LoopbackError
 
 HOST = "127.0.0.1"
 #: Ray's local-only switch, for ``ray start`` processes and clients of a loopback cluster
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-class LoopbackError(ClusterError):
-    """The library will not start its own Ray the way the environment asks (no token auth)."""
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ import torch
 from . import cancel
 from .address import Address, AddressLike, ModelInfo, all_points, check_points
 from .cache import Cache
+from .capabilities import Capabilities
 from .edits import Planned, check_edits
 from .generation import Completion as Completion
 from .generation import Sampling as Sampling
@@ -25,19 +26,17 @@ from .tokens import Tokenizer, check_tokens
 class CaptureModel:
     """A loaded model that captures activations. Backends subclass it.
 
-    Subclasses set ``info``, ``tok`` and ``backend`` and implement ``_run``, ``_generate`` and
+    Subclasses declare their :class:`~.capabilities.Capabilities` (narrowed per model to the sites
+    it cannot read), set ``info`` and ``tok``, and implement ``_run``, ``_generate`` and
     ``_capture``; this class validates what users pass in, so every backend gives the same errors.
     The contract as a whole, and the optional capabilities (unembedding, o_proj weights, writing
     dataset shards), is written down in :mod:`.protocol`.
     """
 
-    backend: str = ""
+    #: what this backend can do (the core decides from these fields, never from a name)
+    capabilities: Capabilities = Capabilities("")
     info: ModelInfo
     tok: Tokenizer
-    #: sites this backend cannot read exactly (they get a clear error instead)
-    unserved: frozenset[str] = frozenset()
-    #: whether a call may carry a batch of several prompts
-    batched: bool = True
     #: the dtype the weights are held in: "float32", "bfloat16" or "float16"
     dtype: str = "float32"
     #: the local folder the weights were loaded from (set by the loader; None on a cluster model)
@@ -46,6 +45,21 @@ class CaptureModel:
     batch_hint: str = "For a padded batch, run_with_cache(model, tokens, points) takes it whole."
 
     # -- facts ---------------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The ``backend=`` name this model was loaded with."""
+        return self.capabilities.name
+
+    @property
+    def unserved(self) -> frozenset[str]:
+        """Sites this model cannot read exactly (they get a clear error instead)."""
+        return self.capabilities.unserved
+
+    @property
+    def batched(self) -> bool:
+        """Whether a call may carry a batch of several prompts."""
+        return self.capabilities.batched
+
     @property
     def name(self) -> str:
         return self.info.name
@@ -86,7 +100,7 @@ class CaptureModel:
     def points(self, site: str | None = None) -> list[Address]:
         """Every address this model serves on this backend, in forward order (layer by layer,
         sites in the order of the site table, ``logits`` last); ``site`` keeps one site's."""
-        return all_points(self.info, self.backend, self.unserved, site)
+        return all_points(self.info, self.capabilities, site)
 
     def facts(self) -> dict:
         """What a dataset manifest records about the model: ``model_dtype`` (its weights' dtype)
@@ -103,7 +117,7 @@ class CaptureModel:
         single = (not self.batched) if single is None else single
         tokens = check_tokens(tokens, self.info.d_vocab, self.info.n_ctx, single=single,
                               why=self._one_prompt(call, tokens) if single else "")
-        addresses = check_points(points, self.info, self.backend, self.unserved)
+        addresses = check_points(points, self.info, self.capabilities)
         return tokens, addresses
 
     def position_limit(self) -> tuple[int, str]:
@@ -139,7 +153,7 @@ class CaptureModel:
 
     def _edits(self, edits, tokens: torch.Tensor, options: Sampling | None = None) -> dict[Address, Planned] | None:
         """``edits=`` checked against this model and the checked batch (see edits.py)."""
-        return check_edits(edits, self.info, self.backend, self.unserved, tokens,
+        return check_edits(edits, self.info, self.capabilities, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
 
     # -- the calls ------------------------------------------------------------------------------

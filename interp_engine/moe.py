@@ -13,10 +13,7 @@ import torch
 
 from .address import Address
 from .cache import Cache
-
-
-class RoutingError(ValueError):
-    """The cache does not hold what :func:`expert_assignment` needs, or disagrees with it."""
+from .errors import RoutingError
 
 
 def expert_assignment(

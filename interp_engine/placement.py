@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .cluster_errors import ClusterError
+from .errors import ClusterError
 
 
 def connect() -> None:

@@ -25,7 +25,7 @@ import numbers
 import numpy as np
 import torch
 
-from .tokens import InputError
+from .errors import InputError
 
 _WORDS = ("prompt", "generated")
 _FORMS = ("None (all), an int or a list of ints (negative from the end of the prompt: -1 = last prompt token), "

@@ -21,7 +21,8 @@ class Site:
     per_layer: bool = True
     per_stream: bool = False
     moe: bool = False
-    eager_only: bool = False
+    #: needs the attention probabilities formed, which fused kernels never do (Capabilities.forms_pattern)
+    needs_pattern: bool = False
     #: only defined where the residual is one stream (see docs/MOE.md)
     single_stream: bool = False
     #: only defined on layers with a dense MLP (not on MoE layers)
@@ -52,7 +53,7 @@ SITES: dict[str, Site] = {
         Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)"),
         Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)"),
         Site("v", "[b, p, n_kv_heads, d_head]", "values"),
-        Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", eager_only=True,
+        Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", needs_pattern=True,
              position_axes=(2, 3)),
         Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),
         Site("router_logits", "[b, p, n_experts]", "MoE gate output", moe=True),

@@ -14,12 +14,9 @@ first token the tokenizer's BOS whatever its default, ``prepend_bos=False`` leav
 from __future__ import annotations
 
 import torch
+from .errors import InputError
 
 PAD_ID = -1
-
-
-class InputError(ValueError):
-    """Tokens, prompts or options the engine cannot run (the message says how to fix them)."""
 
 
 def pad_batch(rows: list[list[int]] | list[torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from .archs import arch_for
 from .dtypes import Packed
 
 
@@ -55,7 +56,7 @@ class Unembedding:
         norm.load_state_dict(weights.norm, strict=True)
         self.norm = norm.eval().requires_grad_(False)
         self.weight = weights.weight
-        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.softcap = arch_for(config).softcap(config)
 
     def final_norm(self, resid: torch.Tensor) -> torch.Tensor:
         return self.norm(resid.to(self.weight.device))

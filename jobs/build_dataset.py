@@ -20,7 +20,8 @@ import argparse
 import json
 import sys
 
-from interp_engine.jobs.config import BuildConfig, ConfigError, load_config
+from interp_engine.jobs.config import BuildConfig, load_config
+from interp_engine.errors import ConfigError
 from interp_engine.jobs.preflight import preflight
 
 
@@ -49,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from interp_engine.dataset_integrity import DatasetCorruptError
-    from interp_engine.dataset_manifest import DatasetExistsError
-    from interp_engine.tokens import InputError
+    from interp_engine.errors import DatasetCorruptError
+    from interp_engine.errors import DatasetExistsError
+    from interp_engine.errors import InputError
 
     try:
         dataset = run(config)

@@ -28,10 +28,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from interp_engine.address import parse_address
 from interp_engine.embedded import NAME as EMBEDDED
-
-
-class ConfigError(ValueError):
-    """A job configuration that does not validate; the message lists every bad field."""
+from interp_engine.errors import ConfigError
 
 
 def _point(text: str) -> str:

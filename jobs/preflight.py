@@ -15,35 +15,33 @@ should not. So, on the driver, from files alone:
 
 A model that is not on the driver (a cluster whose nodes hold it at a path the driver lacks)
 skips the model, points-against-model and prompt-length checks; the replicas check those. Each
-problem is a :class:`~interp_engine.jobs.config.ConfigError` naming the config field.
+problem is a :class:`~interp_engine.errors.ConfigError` naming the config field.
 """
 
 from __future__ import annotations
 
-from interp_engine.jobs.config import BuildConfig, ConfigError
+from interp_engine.jobs.config import BuildConfig
+from interp_engine.errors import ConfigError
 
 
 def preflight(config: BuildConfig) -> None:
     """Raise :class:`ConfigError` (naming the field) for anything checkable before Ray starts."""
-    from interp_engine.address import AddressError
-    from interp_engine.dataset_integrity import DatasetCorruptError
-    from interp_engine.dataset_manifest import DatasetExistsError
-    from interp_engine.local import ModelNotFound, resolve
-    from interp_engine.tokens import InputError
+    from interp_engine.errors import AddressError, DatasetCorruptError, DatasetExistsError, InputError, ModelNotFound
+    from interp_engine.local import resolve
 
     try:
         folder = resolve(config.model)
     except ModelNotFound:
         folder = None  # perhaps only the cluster's nodes hold it: the replicas report it
     try:
-        info, unserved, tokenizer = _model_facts(folder, config) if folder is not None else (None, (), None)
+        info, caps, tokenizer = _model_facts(folder, config) if folder is not None else (None, None, None)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model: cannot read {config.model!r}'s config or tokenizer ({_line(err)})") from None
     if info is not None:
         from interp_engine.address import check_points
 
         try:
-            check_points(config.points, info, config.backend, unserved)
+            check_points(config.points, info, caps)
         except AddressError as err:
             raise ConfigError(f"points: {err}") from None
     try:
@@ -59,13 +57,14 @@ def preflight(config: BuildConfig) -> None:
 def _model_facts(folder, config: BuildConfig):
     from transformers import AutoConfig, AutoTokenizer
 
-    from interp_engine.archs import arch_for, model_info, unserved_sites, vllm_sites
+    from interp_engine.archs import model_info
+    from interp_engine.capabilities import backend_class
     from interp_engine.tokens import Tokenizer
 
     hf_config = AutoConfig.from_pretrained(folder)
     info = model_info(hf_config, config.model)
-    table = arch_for(hf_config).sites if config.backend == "eager" else vllm_sites(info.family)
-    return info, unserved_sites(table), Tokenizer(AutoTokenizer.from_pretrained(folder))
+    caps = backend_class(config.backend).capabilities_for(hf_config)
+    return info, caps, Tokenizer(AutoTokenizer.from_pretrained(folder))
 
 
 def _check_prompts(config: BuildConfig, info, tokenizer) -> None:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from . import devices, tiny, tiny_moe
+from . import devices, markers, tiny, tiny_moe
 
 
 def pytest_addoption(parser):
@@ -27,6 +27,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # vllm / ray / s3 / slow, from one table (tests/markers.py)
+        callspec = getattr(item, "callspec", None)
+        for mark in sorted(markers.markers_of(item.module.__name__.rsplit(".", 1)[-1],
+                                              callspec.params if callspec else {})):
+            item.add_marker(getattr(pytest.mark, mark))
     if devices.DEVICE == "cpu":
         return
     skip = pytest.mark.skip(reason="not a device test module (tests/devices.py MODULES); runs on the CPU only")

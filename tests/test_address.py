@@ -4,7 +4,10 @@ import pytest
 
 from interp_engine import Address, AddressError, format_address, parse_address, to_address
 from interp_engine.address import ModelInfo, check_points
+from interp_engine.backends.eager import EagerModel
+from interp_engine.backends.vllm import VllmModel
 
+EAGER, VLLM = EagerModel.capabilities, VllmModel.capabilities
 INFO = ModelInfo("m", n_layers=4, d_model=8, n_heads=2, n_kv_heads=1, d_head=4, d_mlp=16, d_vocab=10, n_ctx=32)
 
 
@@ -44,21 +47,21 @@ def test_grammar_errors(bad, fragment):
 
 
 def test_checked_against_model():
-    assert check_points(["resid_post.3", "logits"], INFO, "eager") == [Address("resid_post", 3), Address("logits")]
+    assert check_points(["resid_post.3", "logits"], INFO, EAGER) == [Address("resid_post", 3), Address("logits")]
     with pytest.raises(AddressError, match=r"layers 0\.\.3"):
-        check_points(["resid_post.4"], INFO, "eager")
+        check_points(["resid_post.4"], INFO, EAGER)
     with pytest.raises(AddressError, match=r"layers 0\.\.3"):
-        check_points(["resid_post.-1"], INFO, "eager")
+        check_points(["resid_post.-1"], INFO, EAGER)
     with pytest.raises(AddressError, match="single residual stream"):
-        check_points(["resid_streams.0.1"], INFO, "eager")
+        check_points(["resid_streams.0.1"], INFO, EAGER)
     with pytest.raises(AddressError, match="dense model.*valid sites: resid_pre"):
-        check_points(["router_logits.0"], INFO, "eager")
+        check_points(["router_logits.0"], INFO, EAGER)
     with pytest.raises(AddressError, match="eager-only"):
-        check_points(["pattern.0"], INFO, "vllm")
+        check_points(["pattern.0"], INFO, VLLM)
     with pytest.raises(AddressError, match="no points"):
-        check_points([], INFO, "eager")
+        check_points([], INFO, EAGER)
 
 
 def test_duplicates_are_captured_once_in_first_order():
     points = ["mlp_out.1", Address("resid_post", 0), ("mlp_out", 1), "resid_post.0"]
-    assert check_points(points, INFO, "eager") == [Address("mlp_out", 1), Address("resid_post", 0)]
+    assert check_points(points, INFO, EAGER) == [Address("mlp_out", 1), Address("resid_post", 0)]

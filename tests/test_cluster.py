@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from interp_engine import AddressError, InputError, capture_generation, load_model, run_with_cache
-from interp_engine.cluster import ClusterError
+from interp_engine.errors import ClusterError, DatasetExistsError, PromptsError
 from interp_engine.dataset import build_dataset
-from interp_engine.dataset_manifest import DatasetExistsError
-from interp_engine.dataset_prompts import PromptsError
 
 from .clusters import simulated_cluster
 from .faults import kill_replica

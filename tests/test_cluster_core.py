@@ -9,9 +9,10 @@ import torch
 from interp_engine import InputError, parse_address, run_with_cache
 from interp_engine.actors.coordinator import CoordinatorCore
 from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
-from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard, ShardFailed
+from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard
+from interp_engine.errors import ClusterError, ShardFailed
 from interp_engine.actors.wire import unpack_dict
-from interp_engine.cluster import ClusterError, check_capacity
+from interp_engine.cluster import check_capacity
 from interp_engine.dtypes import Packed
 
 POINTS = ["resid_post.1", "z.0", "mlp_post.2", "logits"]
@@ -208,8 +209,8 @@ def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_mo
         """The local model's facts with a coordinator over in-process replicas."""
 
         def __init__(self):
-            self.info, self.backend, self.unserved, self.tok, self.name, self.dtype = (
-                local.info, local.backend, local.unserved, local.tok, local.name, local.dtype)
+            self.info, self.capabilities, self.backend, self.tok, self.name, self.dtype = (
+                local.info, local.capabilities, local.backend, local.tok, local.name, local.dtype)
             self.core = CoordinatorCore(Flaky(cores), 2, batched=True)
 
         def facts(self):

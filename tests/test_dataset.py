@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from interp_engine import InputError, build_dataset, load_model, run_with_cache
-from interp_engine.dataset_manifest import MANIFEST, DatasetExistsError
-from interp_engine.dataset_prompts import PromptsError
+from interp_engine.dataset_manifest import MANIFEST
+from interp_engine.errors import DatasetExistsError, PromptsError
 from interp_engine.dataset_shard import read_tensor
 
 PROMPTS = [f"Example {i}: " + "spam " * (i % 6) + "eggs" for i in range(11)]

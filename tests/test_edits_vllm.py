@@ -172,3 +172,32 @@ def test_gemma2_edits_equal_eager(gemma2, site):
         got = run_with_cache(vllm_model, tokens, points, edits={address: edit})
         for point in points:
             assert_near(got[point], want[point], f"gemma2 {address} {kind}: {point}", REL)
+
+
+def test_edits_reach_the_worker_as_tensors(models, monkeypatch):
+    """An edit's vector travels to the vLLM worker as a tensor (vLLM's collective_rpc carries it
+    as a buffer), never as a Python list; the worker refuses a list as an internal error."""
+    from interp_engine import Add, Set, run_with_cache
+    from interp_engine.backends import vllm_edits
+    from interp_engine.edits_wire import from_wire
+
+    vllm_model, _ = models
+    seen = []
+    register = vllm_edits.EditBook.register
+
+    def spy(self, rid, edits):
+        seen.extend(edits.values())
+        return register(self, rid, edits)
+
+    monkeypatch.setattr(vllm_edits.EditBook, "register", spy)
+    tokens = vllm_model.to_tokens(PROMPT)
+    vector = torch.ones(vllm_model.d_model)
+    run_with_cache(vllm_model, tokens, ["resid_post.1"],
+                   edits={"resid_post.0": Add(vector), "mlp_out.1": Set(torch.zeros(vllm_model.d_model))})
+    assert len(seen) == 2
+    for data in seen:
+        payload = data.get("vector", data.get("value"))
+        assert isinstance(payload, torch.Tensor), f"an edit reached the worker as {type(payload).__name__}"
+    with pytest.raises(RuntimeError, match=r"\[Internal\].*as list, not a tensor"):
+        from_wire({**seen[0], "vector": seen[0]["vector"].tolist()} if "vector" in seen[0]
+                  else {**seen[0], "value": seen[0]["value"].tolist()})

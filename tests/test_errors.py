@@ -112,3 +112,33 @@ def test_hub_id_resolved_from_local_cache(tmp_path, monkeypatch, tiny_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = load_model("tiny-org/tiny-llama")
     assert model.name == "tiny-org/tiny-llama" and model.n_layers == 3
+
+
+def test_every_public_error_lives_in_one_module():
+    """Every error and warning class the library defines is in ``interp_engine.errors`` (and
+    re-exported by the package), keeping the built-in bases that generic handlers rely on."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import interp_engine
+    from interp_engine import errors
+
+    root = Path(interp_engine.__file__).resolve().parents[1]
+    stray = []
+    for folder in ("interp_engine", "actors", "jobs"):
+        for path in (root / folder).rglob("*.py"):
+            if path.name == "errors.py":
+                continue
+            for node in ast.parse(path.read_text()).body:
+                bases = {getattr(b, "id", getattr(b, "attr", "")) for b in getattr(node, "bases", [])}
+                public = isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+                if public and any(b.endswith(("Error", "Warning")) for b in bases) and node.name not in \
+                        {"ReplicaDied", "NoReplicasLeft"}:
+                    stray.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    assert not stray, f"error classes outside interp_engine/errors.py: {stray}"
+    defined = {n for n, c in vars(errors).items() if inspect.isclass(c) and c.__module__ == errors.__name__}
+    assert defined <= set(dir(interp_engine)) | {"RemoteError", "ConfigError"}
+    assert issubclass(errors.MissingActivations, KeyError) and issubclass(errors.MissingActivations, InputError)
+    assert issubclass(errors.DatasetBusyError, FileExistsError) and issubclass(errors.ModelNotFound, FileNotFoundError)
+    assert str(errors.MissingActivations("the cache lacks z.0")) == "the cache lacks z.0"

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from interp_engine.jobs.config import ConfigError, load_config
+from interp_engine.jobs.config import load_config
+from interp_engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

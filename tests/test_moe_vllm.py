@@ -138,5 +138,5 @@ def test_unserved_selection_points_to_router_logits_and_expert_assignment(pair):
     L = vllm.info.moe_layers[0]
     with pytest.raises(AddressError, match=rf"not served on the vllm backend.*'router_logits\.{L}'.*"
                                            rf"expert_assignment\(cache, {L}, n_experts.*backend='eager'"):
-        check_points([f"expert_weights.{L}"], vllm.info, "vllm", unserved)
+        check_points([f"expert_weights.{L}"], vllm.info, vllm.capabilities.serving(unserved))
     assert {"expert_weights", "expert_indices"}.isdisjoint(vllm.unserved), "served on vLLM-CPU (modular kernels)"

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from interp_engine.loopback import LoopbackError, start_local_ray
+from interp_engine.loopback import start_local_ray
+from interp_engine.errors import LoopbackError
 
 from . import ray_exposure as rx
 

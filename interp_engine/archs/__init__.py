@@ -28,12 +28,17 @@ from .moe import moe_layers
 FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *moe.ARCHS, *streams.ARCHS)
 
 
-def arch_for(config) -> Arch:
+def arch_for(config, families: tuple[Arch, ...] = FAMILIES) -> Arch:
+    """The family record of a transformers ``config``: the first of ``families`` that fits it."""
     model_type = getattr(config, "model_type", None)
-    for arch in FAMILIES:
-        if model_type in arch.model_types:
+    for arch in families:
+        if arch.fits(config):
             return arch
-    known = sorted(t for a in FAMILIES for t in a.model_types)
+    if any(model_type in a.model_types for a in families):
+        raise ValueError(f"this {model_type!r} config fits none of its family records "
+                         f"({', '.join(a.family for a in families if model_type in a.model_types)}): "
+                         f"its variant is not supported yet; use a supported checkpoint of the family")
+    known = sorted(t for a in families for t in a.model_types)
     raise ValueError(f"model_type {model_type!r} is not supported yet; supported: {', '.join(known)}")
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import Any, Callable
+
+from ..errors import InternalError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,24 +58,60 @@ def group_sites(addresses, table: dict[str, Hook]) -> dict[Group, list]:
             continue
         hook = table.get(address.name)
         if hook is None:
-            raise ValueError(f"[Internal] the site table has no entry for {address.name!r}")
+            raise InternalError(f"[Internal] the site table has no entry for {address.name!r}")
         groups[(address.layer, hook.module, hook.phase)].append(address)
     return dict(groups)
 
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
+    """Everything the engine knows about one model family, as data: the backends, the unembedding
+    and the analysis helpers read these fields and hold no branch on the family.
+
+    Module paths are relative to the model (``layers``, ``final_norm``, ``unembed``, ``embed``) or
+    to a decoder layer (``attention``, ``o_proj``, ``vllm_attention``).
+    """
+
     family: str
     model_types: tuple[str, ...]
     sites: dict[str, Hook]
     layers: str = "model.layers"
     final_norm: str = "model.norm"
     unembed: str = "lm_head"
+    #: the input embedding, which unembeds where the weights are tied and there is no ``unembed``
+    embed: str = "model.embed_tokens"
     attention: str = "self_attn"
     o_proj: str = "self_attn.o_proj"
+    #: how the projection weights are stored: ``"out_in"`` (``nn.Linear``: ``[out, in]``) or
+    #: ``"in_out"`` (GPT-2's ``Conv1D``: ``[in, out]``); :meth:`linear_weight` gives ``[out, in]``
+    weights: str = "out_in"
+    #: config attribute holding the final logit softcapping ("" where the family has none)
+    logit_softcap: str = ""
     #: config attribute holding the number of residual streams ("" for a single stream)
     streams_config: str = ""
     #: where the vLLM backend reads each site it serves (empty: not served on vLLM). vLLM's
     #: decoder layers fuse the residual add into the next norm, so most of its reads differ
     #: (see :mod:`interp_engine.archs.vllm_reads`)
     vllm: dict[str, Hook] = dataclasses.field(default_factory=dict)
+    #: vLLM's attention kernel module inside a layer (it knows the heads and head size it runs)
+    vllm_attention: str = "self_attn.attn"
+    #: where ``model_type`` alone does not decide the family: a test on the whole config (None: none)
+    matches: Callable[[Any], bool] | None = None
+
+    def __post_init__(self):
+        if self.weights not in ("out_in", "in_out"):
+            raise ValueError(f"Arch {self.family!r}: weights must be 'out_in' or 'in_out', got {self.weights!r}")
+
+    def fits(self, config) -> bool:
+        """Whether a transformers ``config`` is a model of this family."""
+        return getattr(config, "model_type", None) in self.model_types and (
+            self.matches is None or bool(self.matches(config)))
+
+    def softcap(self, config) -> float | None:
+        """The final logit softcapping of a model of this family with ``config`` (None: none)."""
+        return (getattr(config, self.logit_softcap, None) or None) if self.logit_softcap else None
+
+    def linear_weight(self, weight):
+        """A projection's weight as ``nn.Linear`` holds it, ``[out_features, in_features]``,
+        whichever way this family stores it."""
+        return weight.t() if self.weights == "in_out" else weight

@@ -33,5 +33,5 @@ GEMMA2_SITES = {
 
 ARCHS = (
     Arch("llama", ("llama", "mistral", "qwen2", "qwen3", "phi3"), LLAMA_SITES, vllm=vllm_reads.LLAMA),
-    Arch("gemma2", ("gemma2",), GEMMA2_SITES, vllm=vllm_reads.GEMMA2),
+    Arch("gemma2", ("gemma2",), GEMMA2_SITES, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
 )

@@ -16,10 +16,12 @@ from .. import cancel
 from ..address import Address
 from ..archs import arch_for, model_info, unserved_sites
 from ..cache import Cache
+from ..capabilities import Capabilities
 from ..dtypes import dtype_name
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import held_positions
-from ..tokens import InputError, Tokenizer, fed_tokens
+from ..tokens import Tokenizer, fed_tokens
+from ..errors import InputError
 from . import attention
 from .recorder import Recorder, StopForward
 from .sampling import sample_next
@@ -33,15 +35,36 @@ def zero_padding(tensor: torch.Tensor, mask: torch.Tensor, address: Address) -> 
 
 
 class EagerModel(CaptureModel):
-    backend = "eager"
-    batched = True
+    capabilities = Capabilities(
+        "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
+        writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
+                            "v", "pattern", "resid_streams"}),
+        function_edits=True, whole_value_edits=True, takes_device=True)
+
+    @classmethod
+    def capabilities_for(cls, hf_config) -> Capabilities:
+        """The capabilities of a model with this config: every site its family table maps."""
+        return cls.capabilities.serving(unserved_sites(arch_for(hf_config).sites))
+
+    @classmethod
+    def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,
+             **options) -> "EagerModel":
+        """Load the Hugging Face folder ``path`` in this process (``device``: where the weights go)."""
+        if options:
+            raise TypeError(f"options {sorted(options)} are not eager-backend options")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if device:
+            hf = hf.to(device)
+        return cls(hf, AutoTokenizer.from_pretrained(path), name, requires_grad=requires_grad)
 
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
         self.dtype = dtype_name(hf_model.dtype)
         self.arch = arch_for(hf_model.config)
         self.info = model_info(hf_model.config, name)
-        self.unserved = unserved_sites(self.arch.sites)
+        self.capabilities = self.capabilities_for(hf_model.config)
         self.tok = Tokenizer(hf_tokenizer)
         self.requires_grad = requires_grad
         self.hf.requires_grad_(requires_grad)
@@ -54,7 +77,8 @@ class EagerModel(CaptureModel):
         return next(self.hf.parameters()).device
 
     def o_proj_weight(self, layer: int) -> torch.Tensor:
-        return self.hf.get_submodule(self.arch.layers)[layer].get_submodule(self.arch.o_proj).weight
+        layer_module = self.hf.get_submodule(self.arch.layers)[layer]
+        return self.arch.linear_weight(layer_module.get_submodule(self.arch.o_proj).weight)
 
     def final_norm(self, resid: torch.Tensor) -> torch.Tensor:
         """The norm the model applies to the last ``resid_post`` before unembedding, ``[..., d_model]``."""
@@ -66,12 +90,12 @@ class EagerModel(CaptureModel):
         softcapping where the config has one (Gemma 2). ``unembed(final_norm(resid_post.L))``
         for the last layer is the model's own logits."""
         logits = self.hf.get_submodule(self.arch.unembed)(normed.to(self.device))
-        cap = getattr(self.hf.config, "final_logit_softcapping", None)
+        cap = self.arch.softcap(self.hf.config)
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def unembed_weight(self) -> torch.Tensor:
         """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction."""
-        return self.hf.get_submodule(self.arch.unembed).weight
+        return self.arch.linear_weight(self.hf.get_submodule(self.arch.unembed).weight)
 
     def unembed_weights(self):
         """The final norm's and the unembedding's weights as plain tensors (what a replica sends)."""

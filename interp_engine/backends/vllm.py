@@ -27,10 +27,12 @@ from .. import cancel
 from ..address import Address
 from ..archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
 from ..cache import Cache
+from ..capabilities import Capabilities
 from ..edits_wire import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
-from ..tokens import InputError, Tokenizer, fed_tokens
+from ..tokens import Tokenizer, fed_tokens
+from ..errors import InputError, InternalError
 from ..unembedding import FetchedUnembedding, UnembedWeights
 from .heads import split_heads
 from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
@@ -52,8 +54,11 @@ def _sampling_params(options: Sampling | None):
 
 
 class VllmModel(FetchedUnembedding, CaptureModel):
-    backend = "vllm"
-    batched = False
+    capabilities = Capabilities(
+        "vllm", "vLLM", batched=False, forms_pattern=False, gradients=False,
+        writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
+                            "v"}),
+        function_edits=False, whole_value_edits=False, takes_device=False)
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
     def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int,
@@ -67,23 +72,36 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self.tok = Tokenizer(hf_tokenizer)
         self.max_model_len = max_model_len
         self.tensor_parallel_size = tensor_parallel_size
-        self.unserved = unserved_sites(self.sites)
+        self.capabilities = self.capabilities_for(hf_config)
         self._weights: dict[int, torch.Tensor] = {}
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
         try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
             run_on_loop(self._loop, "interp_guard_kv")
             if any(read.phase == "select" for read in self.sites.values()):
-                self.unserved |= frozenset(run_on_loop(self._loop, "interp_unreadable_sites")[0])
+                unreadable = run_on_loop(self._loop, "interp_unreadable_sites")[0]
+                self.capabilities = self.capabilities.serving(self.unserved | frozenset(unreadable))
             self._check_geometry()
         except BaseException:
             self.close()
             raise
 
+    @classmethod
+    def capabilities_for(cls, hf_config) -> Capabilities:
+        """The capabilities of a model with this config before its engine starts (the engine may
+        find more sites it cannot read exactly)."""
+        return cls.capabilities.serving(unserved_sites(vllm_sites(arch_for(hf_config).family)))
+
+    @classmethod
+    def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,
+             **options) -> "VllmModel":
+        """Start a vLLM engine for ``path`` (see :func:`load_vllm`); vLLM picks its device itself."""
+        return load_vllm(path, name, dtype=dtype, **options)
+
     def _check_geometry(self) -> None:
         """vLLM must run the model the config describes (some of its model classes ignore
         ``head_dim``); otherwise its activations are not this model's."""
-        ranks = run_on_loop(self._loop, "interp_geometry")
+        ranks = run_on_loop(self._loop, "interp_geometry", self.arch.vllm_attention)
         heads = sum(r["heads"] for r in ranks)
         head_size = ranks[0]["head_size"]
         if heads != self.info.n_heads or head_size != self.info.d_head:
@@ -104,7 +122,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _fetch_unembedding(self) -> UnembedWeights:
         """The final norm (identical on every rank) and the unembedding, its vocabulary shards
         joined in rank order with vLLM's vocabulary padding cut off."""
-        heads = [self.arch.unembed, "model.embed_tokens"]
+        heads = [self.arch.unembed, self.arch.embed]
         ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
         weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
         return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)
@@ -194,7 +212,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 rows, positions = rows[~beyond], positions[~beyond]
             if not torch.equal(positions, wanted):
                 missing = sorted(set(wanted.tolist()) - set(positions.tolist()))
-                raise RuntimeError(f"[Internal] rank {rank} recorded positions {positions.tolist()} for {address}, "
+                raise InternalError(f"[Internal] rank {rank} recorded positions {positions.tolist()} for {address}, "
                                    f"expected {wanted.tolist()} (missing {missing})")
             pieces.append(rows)
         tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]

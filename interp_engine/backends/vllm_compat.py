@@ -17,13 +17,10 @@ import gc
 
 import torch
 import vllm
+from ..errors import InternalError, UnsupportedVllmVersion
 
 #: the vLLM release series this module was written against and tested with
 SUPPORTED = "0.32"
-
-
-class UnsupportedVllmVersion(ImportError):
-    """The installed vLLM is not a release this adapter was written for (the message says what to do)."""
 
 
 def check_version(version: str) -> None:
@@ -95,7 +92,7 @@ def kv_cache_views(runner) -> list[torch.Tensor]:
         if not isinstance(kv, torch.Tensor) or (kv.data_ptr(), kv.shape) in seen:
             continue
         if kv.shape[0] != num_blocks:
-            raise RuntimeError(
+            raise InternalError(
                 f"[Internal] a KV cache of shape {tuple(kv.shape)} does not have the {num_blocks} scheduler blocks on "
                 f"dim 0 that vLLM {SUPPORTED} lays out; interp_engine/backends/vllm_compat.py needs porting")
         seen.add((kv.data_ptr(), kv.shape))

@@ -33,6 +33,7 @@ import os
 import threading
 
 import torch
+from ..errors import EngineMemoryError
 
 #: engine options the backend fixes, and why a different value would break capture
 FIXED_OPTIONS = {
@@ -51,10 +52,6 @@ DEFAULT_SEQUENCES = 8
 DEFAULT_CAP = 4 * GiB
 #: a floor, so that many short prompts fit at once on tiny models
 DEFAULT_FLOOR = 64 << 20
-
-
-class EngineMemoryError(MemoryError):
-    """The vLLM engine cannot reserve its memory (the message says what to set)."""
 
 
 def kv_bytes_per_token(info, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:

@@ -17,6 +17,7 @@ import torch
 from . import vllm_compat
 from .vllm_hooks import WorkerRecorder
 from .vllm_kv_guard import KvBlockGuard
+from ..errors import InternalError
 
 
 class CaptureExtension:
@@ -66,9 +67,10 @@ class CaptureExtension:
         recorder = self._interp_recorder()
         return unreadable_sites(list(recorder.layers), recorder.table)
 
-    def interp_geometry(self) -> dict:
-        """Heads and head size as this rank's attention kernels run them."""
-        return vllm_compat.attention_geometry(self._interp_recorder().layers[0].get_submodule("self_attn.attn"))
+    def interp_geometry(self, path: str) -> dict:
+        """Heads and head size as this rank's attention kernels run them (``path``: the kernel
+        module inside a layer, from the family record)."""
+        return vllm_compat.attention_geometry(self._interp_recorder().layers[0].get_submodule(path))
 
     def interp_o_proj_weight(self, layer: int, path: str) -> torch.Tensor:
         """This rank's block of layer ``layer``'s attention output projection weight
@@ -90,5 +92,5 @@ class CaptureExtension:
             except AttributeError:
                 continue
         if head is None:
-            raise RuntimeError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
+            raise InternalError(f"[Internal] this vLLM model has none of {head_paths} to unembed with")
         return {"norm": norm, "weight": vllm_compat.embedding_weight(head)}

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import torch
+from ..errors import EngineStopped
 
 
 #: An idle engine that receives a job keeps admitting for as long as more jobs follow within
@@ -37,10 +38,6 @@ import torch
 #: instead of a first forward of the one or two that arrived first and a second of the rest.
 BURST_GAP = 0.005
 BURST_LIMIT = 0.1
-
-
-class EngineStopped(RuntimeError):
-    """The engine was closed, or failed; load the model again."""
 
 
 @dataclasses.dataclass

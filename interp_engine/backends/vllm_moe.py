@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import vllm_compat
+from ..errors import InternalError
 
 
 def resolve(root, path: str):
@@ -46,11 +47,11 @@ def wrap_selection(root, path: str, callback: Callable) -> _Restore:
     ``remove()`` restores it."""
     found = vllm_compat.moe_selection(resolve(root, path))
     if found is None:
-        raise RuntimeError(f"[Internal] no expert selection call under {path!r} of {type(root).__name__} "
+        raise InternalError(f"[Internal] no expert selection call under {path!r} of {type(root).__name__} "
                            f"(vLLM {vllm_compat.SUPPORTED} layout assumed)")
     owner, method = found
     if method in owner.__dict__:
-        raise RuntimeError(f"[Internal] the selection under {path!r} is already wrapped")
+        raise InternalError(f"[Internal] the selection under {path!r} is already wrapped")
     original = getattr(owner, method)
 
     def wrapper(*args, **kwargs):

@@ -1,0 +1,144 @@
+"""Every error and warning the library raises at its users, in one place.
+
+Two kinds of failure reach a caller. A *user error* means the request cannot run as written:
+its message says what is wrong and how to fix it, and the model keeps serving. Most are
+``InputError`` (a ``ValueError``), so ``except InputError`` catches every refusal of bad input;
+each also keeps the built-in base that fits it (a missing activation is a ``KeyError``, a model
+that cannot be found a ``FileNotFoundError``), so generic handlers keep working. An
+:class:`InternalError` means an invariant of the library itself broke: a bug to report, whose
+message starts with ``"[Internal]"``.
+
+Errors raised in a replica cross the process boundary by type: ``actors/wire.relabel`` rebuilds
+the same class with the replica and shard in front of the message, so every class here must be
+constructible from its message alone.
+"""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Tokens, prompts or options the engine cannot run (the message says how to fix them)."""
+
+
+class AddressError(ValueError):
+    """An address that does not name a point of this model (the message lists what does)."""
+
+
+class ModelNotFound(FileNotFoundError):
+    """The name is neither a local folder, the embedded model, nor in the local HF cache."""
+
+
+class AnalysisError(InputError):
+    """An argument an analysis helper cannot use (the message says what is wrong and what to pass)."""
+
+
+class MissingActivations(AnalysisError, KeyError):
+    """The cache lacks activations the helper needs (the message names them and what to capture).
+    Also a ``KeyError``, as a missing key of the cache is."""
+
+    __str__ = BaseException.__str__  # the message as written, not KeyError's quoted repr
+
+
+class RoutingError(ValueError):
+    """The cache does not hold what :func:`expert_assignment` needs, or disagrees with it."""
+
+
+class CacheFileError(InputError):
+    """A file :meth:`Cache.load` cannot read as a cache: not one, damaged, or inconsistent
+    (the message names the file and what is wrong with it)."""
+
+
+class Cancelled(RuntimeError):
+    """The caller of this capture cancelled it; the work stopped before it finished."""
+
+
+# --- the vLLM engine ---------------------------------------------------------------------------
+
+
+class EngineMemoryError(MemoryError):
+    """The vLLM engine cannot reserve its memory (the message says what to set)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine was closed, or failed; load the model again."""
+
+
+class UnsupportedVllmVersion(ImportError):
+    """The installed vLLM is not a release this adapter was written for (the message says what to do)."""
+
+
+# --- the Ray service ---------------------------------------------------------------------------
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot serve the request (too few resources, replicas that failed to start)."""
+
+
+class ShardFailed(ClusterError):
+    """One shard of the work failed ``max_attempts`` times (its replicas died under it, or it
+    raised something other than an input error); the message names the shard and replicas."""
+
+
+class LoopbackError(ClusterError):
+    """The library will not start its own Ray the way the environment asks (no token auth)."""
+
+
+class RemoteError(RuntimeError):
+    """An error raised inside a replica or the coordinator, with where it happened.
+
+    The original exception is ``__cause__``; the message starts with the replica and shard.
+    """
+
+
+class ConfigError(ValueError):
+    """A job configuration that does not validate; the message lists every bad field."""
+
+
+# --- activation datasets -----------------------------------------------------------------------
+
+
+class PromptsError(InputError):
+    """The prompts cannot be read or are unusable (the message says which and how to fix)."""
+
+
+class StorageError(InputError):
+    """The dataset's location cannot be used (unknown scheme, no bucket, no credentials, read-only)."""
+
+
+class DatasetExistsError(FileExistsError):
+    """The output path holds a different dataset (or other files)."""
+
+
+class DatasetBusyError(DatasetExistsError):
+    """Another build is writing into this output now (the message names it)."""
+
+
+class DatasetCorruptError(RuntimeError):
+    """Shards of a dataset are missing or do not match the manifest (the message names them)."""
+
+
+class DatasetRepairWarning(UserWarning):
+    """A resume found a shard that failed its check and is rewriting it."""
+
+
+class DatasetLeaseWarning(UserWarning):
+    """A dead build's lease was found and removed."""
+
+
+class DatasetForeignFilesWarning(UserWarning):
+    """The output folder holds files that are not the dataset's; the build left them alone."""
+
+
+# --- bugs --------------------------------------------------------------------------------------
+
+
+class InternalError(RuntimeError):
+    """An invariant of the library broke (a bug: please report it with the message, which starts
+    with ``"[Internal]"``). Never raised for anything a caller passed."""
+
+
+def user_error(err: BaseException) -> BaseException:
+    """The exception a remote call raised, out of Ray's ``RayTaskError`` wrapper (its message
+    already names the replica and shard); ``err`` itself when it carries none."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err

@@ -9,8 +9,10 @@ together on one node).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,8 @@ import torch
 from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import run_padded
-from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
+from interp_engine.dataset_shard import ShardSpec, ShardStats
+from interp_engine.dataset_writer import MAX_WRITERS, ShardWriter
 from interp_engine.dtypes import Packed
 from interp_engine.edits_wire import from_plain
 from interp_engine.model import CaptureModel
@@ -72,6 +75,14 @@ class ReplicaCore:
         self.model = spec.load()
         #: bytes of the activations this replica has returned (what crosses to the coordinator)
         self.bytes_returned = 0
+        #: a batched (eager) model runs one call at a time: dataset shards are written on
+        #: threads beside the capture of the next (:mod:`interp_engine.dataset_writer`), and
+        #: every call on the model takes this lock; a vLLM engine batches concurrent calls itself
+        self.model_lock = threading.Lock() if self.model.batched else None
+        self.shards = ShardWriter(self.model, self.model_lock)
+
+    def _model(self):
+        return self.model_lock or contextlib.nullcontext()
 
     def facts(self) -> ReplicaFacts:
         import tempfile
@@ -91,7 +102,7 @@ class ReplicaCore:
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
         are ever returned. ``edits``: plain data (:func:`interp_engine.edits_wire.to_plain`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        with cancel.watching(self.stop_check):
+        with cancel.watching(self.stop_check), self._model():
             cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
         captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
@@ -100,7 +111,7 @@ class ReplicaCore:
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None) -> Generated:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        with cancel.watching(self.stop_check):
+        with cancel.watching(self.stop_check), self._model():
             completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
                                                               positions=positions, edits=from_plain(edits), **options)
         generated = Generated(completion.text, list(completion.token_ids), completion.finish_reason,
@@ -113,7 +124,9 @@ class ReplicaCore:
         return self.bytes_returned
 
     def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-        return dataclasses.replace(write_shard(self.model, spec, index, texts), replica=self.index, pid=os.getpid())
+        """Capture and publish one shard. The Ray actor runs up to ``MAX_WRITERS + 1`` of these
+        at once (the coordinator sends ``spec.writers + 1``): one captures while the others write."""
+        return dataclasses.replace(self.shards.write(spec, index, texts), replica=self.index, pid=os.getpid())
 
     def o_proj_weight(self, layer: int):
         return Packed.of(self.model.o_proj_weight(layer))
@@ -150,10 +163,16 @@ def replica_actor():
     # scheduler instead of the worker's ordered queue (calls still run one at a time); there
     # ``ray.cancel`` drops calls that have not started. Seen on Ray 2.60: without it, calls
     # queued behind a running one ran after ``ray.cancel`` all the same.
-    @ray.remote(concurrency_groups={"control": 1})
+    # Dataset shards run in their own group, several at once: one is captured while the others
+    # are encoded and written (ReplicaCore.write_shard); every other call runs one at a time.
+    @ray.remote(concurrency_groups={"control": 1, "shards": MAX_WRITERS + 1})
     class ReplicaActor(ReplicaCore):
         def __init__(self, spec: ReplicaSpec, index: int):
             super().__init__(spec, index, ray.get_runtime_context().get_node_id())
             self.stop_check = ray_task_cancelled
+
+        @ray.method(concurrency_group="shards")
+        def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
+            return super().write_shard(spec, index, texts)
 
     return ReplicaActor

@@ -139,6 +139,23 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         finished = cancel.wait(self._submit(tokens, addresses, None, positions, edits))
         return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
 
+    def run_many(self, rows, points, *, positions=None, edits=None) -> list[Cache]:
+        """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
+        batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
+        Each row is checked first: a bad one fails the call before any is submitted."""
+        calls = []
+        for row in rows:
+            tokens, addresses = self.check(row, points)
+            calls.append((tokens, addresses, self._selection(tokens, positions), self._edits(edits, tokens)))
+        futures = [self._submit(tokens, addresses, None, held, planned) for tokens, addresses, held, planned in calls]
+        try:
+            return [self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1])
+                    for future, (tokens, addresses, held, _) in zip(futures, calls)]
+        except BaseException:
+            for future in futures:  # the engine loop aborts each cancelled request
+                future.cancel()
+            raise
+
     def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
         finished = cancel.wait(self._submit(tokens, addresses, options, positions, edits))
         return self._completion(finished, tokens, addresses, positions)

@@ -152,3 +152,76 @@ def test_bounded_in_flight_and_errors(llama, tmp_path, monkeypatch):
             build_dataset(llama, PROMPTS, POINTS, tmp_path / "x", writers=bad)
     with pytest.raises(InputError, match="batch_tokens must be"):
         build_dataset(llama, PROMPTS, POINTS, tmp_path / "x", batch_tokens=0)
+
+
+# -- vLLM: every prompt of a shard in flight, and only the layers a prefill reads ---------------
+@pytest.fixture(scope="module")
+def vllm_llama(tiny_path):
+    pytest.importorskip("vllm")
+    from interp_engine import load_model
+
+    with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128) as model:
+        yield model
+
+
+def _state(model) -> dict:
+    from interp_engine.backends.vllm_loop import run_on_loop
+
+    return run_on_loop(model._loop, "interp_state")[0]
+
+
+def test_vllm_build_batches_the_engine_and_runs_only_the_layers_it_reads(vllm_llama, tmp_path):
+    """A build of ``resid_post.0`` (1 of 3 layers) keeps a shard's prompts in flight together and
+    runs the engine shortened; its files equal shards captured one prompt at a time through the
+    whole model (``logits`` asked too), bit for bit wherever the engine computes a prompt in a
+    batch as it does alone (checked here first), else within the tolerance."""
+    from interp_engine.batching import join_rows
+    from interp_engine.cache import Cache
+
+    model = vllm_llama
+    assert model.shortens
+    rows = [torch.tensor([model.tok.encode(t)]) for t in PROMPTS]
+    full = ["resid_post.0", "logits"]
+    alone = [model.run_with_cache(row, full) for row in rows]
+    together = model.run_many(rows, full)
+    invariant = all(torch.equal(a[p], b[p]) for a, b in zip(alone, together) for p in full)
+    assert max(_state(model)["max_batch"], 1) > 1  # run_many put prompts in one forward
+    before = model._loop.shortened_steps
+    ds = build_dataset(model, PROMPTS, ["resid_post.0"], tmp_path / "v", shard_size=5, progress=False)
+    assert model._loop.shortened_steps > before
+    assert _state(model)["layers_run"] == model.n_layers  # an idle engine is whole again
+
+    def one_at_a_time(tokens):
+        parts = [model.run_with_cache(row, full) for row in (r[r >= 0][None] for r in tokens)]
+        joined, padded, _ = join_rows([{a: c[a] for a in c if str(a) == "resid_post.0"} for c in parts],
+                                      [c.tokens for c in parts], tokens.shape[1])
+        return Cache(joined, padded, None, model.name, model.backend)
+
+    want = _reference(model, ds, one_at_a_time)
+    if invariant:
+        assert _sha(ds) == want
+    reference = build_dataset(model, PROMPTS, ["resid_post.0", "logits"], tmp_path / "full", shard_size=5,
+                              progress=False)
+    assert_near(read_tensor(ds.to_arrow(), "resid_post.0"), read_tensor(reference.to_arrow(), "resid_post.0"),
+                "resid_post.0", 1e-5)
+
+
+def test_vllm_logits_and_generation_never_run_shortened(vllm_llama):
+    """Generation and logits requests in flight beside shortened prefills: the engine runs
+    whole while they are there, so their logits and tokens are the ones they get alone."""
+    import asyncio
+
+    model = vllm_llama
+    rows = [torch.tensor([model.tok.encode(t)]) for t in PROMPTS]
+    logits_alone = model.run_with_cache(rows[3], ["logits"])["logits"]
+    completion_alone, _ = model.capture_generation(rows[5], ["resid_post.2"], max_tokens=6)
+
+    async def mixed():
+        short = [model.capture(row, ["resid_post.0"]) for row in rows]
+        return await asyncio.gather(model.capture(rows[3], ["logits"]),
+                                    model.capture_generation_async(rows[5], ["resid_post.2"], max_tokens=6), *short)
+
+    logits, (completion, _), *_ = asyncio.run(mixed())
+    assert_near(logits[list(logits)[0]], logits_alone, "logits", 1e-5)
+    assert completion.token_ids == completion_alone.token_ids
+    assert _state(model)["layers_run"] == model.n_layers

@@ -9,10 +9,8 @@ together on one node).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -75,14 +73,10 @@ class ReplicaCore:
         self.model = spec.load()
         #: bytes of the activations this replica has returned (what crosses to the coordinator)
         self.bytes_returned = 0
-        #: a batched (eager) model runs one call at a time: dataset shards are written on
-        #: threads beside the capture of the next (:mod:`interp_engine.dataset_writer`), and
-        #: every call on the model takes this lock; a vLLM engine batches concurrent calls itself
-        self.model_lock = threading.Lock() if self.model.batched else None
-        self.shards = ShardWriter(self.model, self.model_lock)
-
-    def _model(self):
-        return self.model_lock or contextlib.nullcontext()
+        #: dataset shards are written on threads beside the capture of the next
+        #: (:mod:`interp_engine.dataset_writer`); the eager backend runs one forward at a time
+        #: (its own lock), a vLLM engine batches concurrent calls itself
+        self.shards = ShardWriter(self.model)
 
     def facts(self) -> ReplicaFacts:
         import tempfile
@@ -102,7 +96,7 @@ class ReplicaCore:
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
         are ever returned. ``edits``: plain data (:func:`interp_engine.edits_wire.to_plain`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        with cancel.watching(self.stop_check), self._model():
+        with cancel.watching(self.stop_check):
             cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
         captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
@@ -111,7 +105,7 @@ class ReplicaCore:
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None) -> Generated:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
-        with cancel.watching(self.stop_check), self._model():
+        with cancel.watching(self.stop_check):
             completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
                                                               positions=positions, edits=from_plain(edits), **options)
         generated = Generated(completion.text, list(completion.token_ids), completion.finish_reason,

@@ -164,8 +164,11 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     bar = _progress(progress, scan, stats)
     t0 = last_saved = time.perf_counter()
     new_tokens = 0
+    phases: dict[str, float] = {}
     for shard in _run_shards(model, spec, source, set(good)):
         stats.append(shard)
+        for phase, seconds in shard.times.items():
+            phases[phase] = phases.get(phase, 0) + seconds
         manifest["shards"][shard_name(shard.index, n_shards)] = shard.record()
         new_tokens += shard.tokens
         if time.perf_counter() - last_saved > _SAVE_EVERY_S:  # records survive a driver kill
@@ -187,7 +190,7 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     lease.check()
     write_manifest(store, manifest)
     return ActivationDataset(where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
-                             tuple(repaired), store)
+                             tuple(repaired), store, phases)
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:

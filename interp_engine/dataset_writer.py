@@ -7,8 +7,8 @@ the model for its whole duration. A :class:`ShardWriter` runs each shard as one 
 capture, then write — from several threads at once, so one shard is written while the next is
 captured:
 
-- **the model** is shared by those threads. A batched (eager) model runs one capture at a time
-  (``model_lock``; its hooks belong to one forward). A one-prompt model (vLLM) takes captures
+- **the model** is shared by those threads. A batched (eager) model runs one shard's capture
+  at a time (``model_lock``: its batches one after another). A one-prompt model (vLLM) takes captures
   from every thread at once: its engine batches the requests of the shard being captured with
   those of the next (the engine's own continuous batching).
 - **writers**: at most ``writers`` shards are encoded, hashed and written at once (a semaphore);
@@ -38,8 +38,8 @@ MAX_WRITERS = 16
 class ShardWriter:
     """Captures and writes shards of any build on ``model``, from any number of threads.
 
-    ``model_lock``: the lock every capture on a batched model takes (a replica shares it with
-    its other calls on the model); a one-prompt model needs none."""
+    ``model_lock``: the lock a shard's capture on a batched model takes (by default a new one);
+    a one-prompt model needs none."""
 
     def __init__(self, model, model_lock: threading.Lock | None = None):
         self.model = model

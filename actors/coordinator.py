@@ -46,10 +46,10 @@ class CoordinatorCore:
         self.resubmitted = 0
         self.rejoined = 0
 
-    def _scheduler(self) -> Scheduler:
+    def _scheduler(self, per_replica: int | None = None) -> Scheduler:
         with self._lock:
             live = [r for r in self.replicas if r not in self._dead]
-        return Scheduler(self.executor, live, per_replica=self.per_replica, names=self.names,
+        return Scheduler(self.executor, live, per_replica=per_replica or self.per_replica, names=self.names,
                          max_attempts=self.max_attempts)
 
     def _forget(self, scheduler: Scheduler) -> None:
@@ -101,7 +101,8 @@ class CoordinatorCore:
         """Write every shard not in ``skip``; returns how many were written. ``progress(build_id)``
         lists the shards written so far."""
         shards = (Shard(index, (spec, index, texts)) for index, texts in source.shards(spec.shard_size, skip, spec.order()))
-        scheduler = self._scheduler()
+        # writers + 1 shards at each replica: it captures one while it writes the others
+        scheduler = self._scheduler(max(self.per_replica, spec.writers + 1))
         written = 0
         with self._lock:
             self._progress[build_id] = []

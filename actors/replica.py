@@ -19,7 +19,8 @@ import torch
 from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import run_padded
-from interp_engine.dataset_shard import ShardSpec, ShardStats, write_shard
+from interp_engine.dataset_shard import ShardSpec, ShardStats
+from interp_engine.dataset_writer import MAX_WRITERS, ShardWriter
 from interp_engine.dtypes import Packed
 from interp_engine.edits_wire import from_plain
 from interp_engine.model import CaptureModel
@@ -70,6 +71,10 @@ class ReplicaCore:
         self.model = spec.load()
         #: bytes of the activations this replica has returned (what crosses to the coordinator)
         self.bytes_returned = 0
+        #: dataset shards are written on threads beside the capture of the next
+        #: (:mod:`interp_engine.dataset_writer`); the eager backend runs one forward at a time
+        #: (its own lock), a vLLM engine batches concurrent calls itself
+        self.shards = ShardWriter(self.model)
 
     def facts(self) -> ReplicaFacts:
         import tempfile
@@ -111,7 +116,9 @@ class ReplicaCore:
         return self.bytes_returned
 
     def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-        return dataclasses.replace(write_shard(self.model, spec, index, texts), replica=self.index, pid=os.getpid())
+        """Capture and publish one shard. The Ray actor runs up to ``MAX_WRITERS + 1`` of these
+        at once (the coordinator sends ``spec.writers + 1``): one captures while the others write."""
+        return dataclasses.replace(self.shards.write(spec, index, texts), replica=self.index, pid=os.getpid())
 
     def o_proj_weight(self, layer: int):
         return Packed.of(self.model.o_proj_weight(layer))
@@ -148,10 +155,16 @@ def replica_actor():
     # scheduler instead of the worker's ordered queue (calls still run one at a time); there
     # ``ray.cancel`` drops calls that have not started. Seen on Ray 2.60: without it, calls
     # queued behind a running one ran after ``ray.cancel`` all the same.
-    @ray.remote(concurrency_groups={"control": 1})
+    # Dataset shards run in their own group, several at once: one is captured while the others
+    # are encoded and written (ReplicaCore.write_shard); every other call runs one at a time.
+    @ray.remote(concurrency_groups={"control": 1, "shards": MAX_WRITERS + 1})
     class ReplicaActor(ReplicaCore):
         def __init__(self, spec: ReplicaSpec, index: int):
             super().__init__(spec, index, ray.get_runtime_context().get_node_id())
             self.stop_check = ray_task_cancelled
+
+        @ray.method(concurrency_group="shards")
+        def write_shard(self, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
+            return super().write_shard(spec, index, texts)
 
     return ReplicaActor

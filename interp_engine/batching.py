@@ -1,8 +1,10 @@
 """Splitting a padded batch into rows and joining rows back into one padded batch.
 
-A one-prompt backend (vLLM) runs each row at its true length; a cluster splits a batch over
-replicas. Both come back to the engine's padded form: tokens right-padded with ``PAD_ID``,
-every activation zero at padded positions, exactly what a batched local model returns.
+A one-prompt backend (vLLM) runs each row at its true length, all rows in flight at once so
+that its engine batches them; a cluster splits a batch over replicas; a dataset build cuts a
+shard into batches of similar lengths (:func:`plan_batches`). All come back to the engine's
+padded form: tokens right-padded with ``PAD_ID``, every activation zero at padded positions,
+exactly what a batched local model returns.
 """
 
 from __future__ import annotations
@@ -55,16 +57,37 @@ def join_rows(parts: list[dict[Address, torch.Tensor]], tokens: list[torch.Tenso
     return joined, padded, torch.cat([F.pad(p, (0, held - p.shape[1]), value=-1) for p in positions])
 
 
+def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Cut rows of these ``lengths`` into padded batches of at most ``batch_tokens`` padded
+    tokens (rows x the batch's longest row; a longer row gets a batch of its own), with little
+    padding: rows are taken shortest first, so each batch holds rows of similar lengths. Each
+    batch lists its rows in their original order. A pure function of its arguments, so a shard
+    rebuilt (a rerun, a resume) is computed in the same batches and gives the same bits. When
+    every row fits in one batch the plan is ``[[0, 1, ..., n-1]]``: the whole batch as given."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            batches.append(sorted(current))
+            current = []
+        current.append(i)
+    if current:
+        batches.append(sorted(current))
+    return batches
+
+
 def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Address], positions=None,
                edits=None) -> Cache:
-    """``model.run_with_cache`` on a padded batch, one row at a time where the model takes one
-    prompt per call; the result is the padded batch a batched model would return. ``positions``
-    is a positions spec: each row resolves it against its own length, as a batched model does;
-    so are the positions of ``edits``."""
+    """``model.run_with_cache`` on a padded batch; where the model takes one prompt per call,
+    every row at its true length, all in flight at once (``model.run_many``: the vLLM engine
+    batches them as ``LLM.generate`` does). The result is the padded batch a batched model would
+    return. ``positions`` is a positions spec: each row resolves it against its own length, as a
+    batched model does; so are the positions of ``edits``."""
     if model.batched or tokens.shape[0] == 1 and bool((tokens >= 0).all()):
         return model.run_with_cache(tokens, addresses, positions=positions, edits=edits)
     rows = unpad(tokens)
-    caches = [model.run_with_cache(row, addresses, positions=positions, edits=edits) for row in rows]
+    caches = model.run_many(rows, addresses, positions=positions, edits=edits)
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)
     return Cache(joined, padded, None, model.name, model.backend, held)

@@ -25,8 +25,9 @@ from .dataset_manifest import FORMAT, prepare_output, tokenizer_fingerprint, wri
 from .dataset_prompts import PromptSource
 from .dataset_result import ActivationDataset as ActivationDataset
 from .dataset_result import where
-from .dataset_shard import DTYPES, LAYOUTS, ShardSpec, ShardStats, shard_name, write_shard
+from .dataset_shard import BATCH_TOKENS, DTYPES, LAYOUTS, ShardSpec, ShardStats, shard_name
 from .dataset_store import Store
+from .dataset_writer import MAX_WRITERS, ShardWriter, write_shards
 from .dataset_uri import check_access, check_writable
 from .positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
 from .protocol import WritesShards
@@ -51,6 +52,8 @@ def build_dataset(
     filesystem=None,
     shuffle: bool = False,
     seed: int = 0,
+    writers: int = 1,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> ActivationDataset:
     """Capture ``points`` for every prompt and write them under ``output`` as Parquet.
 
@@ -64,8 +67,13 @@ def build_dataset(
     ``file://...``) or ``(pyarrow.fs.FileSystem, path)``; ``filesystem=`` gives the filesystem
     explicitly. ``shuffle=True``: shard ``i`` holds a fixed random set of prompts (``seed``) and
     its token rows are permuted, so rows mix tokens of many sequences; a rerun writes the same
-    files. Every argument is checked, the prompts read once and the destination probed before
-    any capture starts.
+    files. ``writers``: how many shards are encoded, hashed and written at once, beside the
+    capture of the next (raise it when one writer cannot keep up with the model, e.g. a GPU or a
+    slow upload; see :mod:`.dataset_writer`). ``batch_tokens``: a batched (eager) model captures
+    a shard in padded batches of similar lengths of at most this many padded tokens (a vLLM
+    model gets every prompt in flight at once; see :func:`~.batching.plan_batches`). Every
+    argument is checked, the prompts read once and the destination probed before any capture
+    starts.
     """
     from .version import VERSION as __version__
 
@@ -78,6 +86,10 @@ def build_dataset(
         raise InputError(f"shuffle must be True or False, got {shuffle!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InputError(f"seed must be an int >= 0, got {seed!r}")
+    if isinstance(writers, bool) or not isinstance(writers, int) or not 1 <= writers <= MAX_WRITERS:
+        raise InputError(f"writers must be an int from 1 to {MAX_WRITERS} (shards written at once), got {writers!r}")
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise InputError(f"batch_tokens must be a positive int (padded tokens per forward), got {batch_tokens!r}")
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
@@ -123,13 +135,13 @@ def build_dataset(
     lease = Lease.acquire(store)  # one build at a time in this folder (see dataset_lease)
     try:
         return _build(model, store, source, scan, identity, selection, lease, overwrite=overwrite,
-                      progress=progress, started=started)
+                      progress=progress, started=started, writers=writers, batch_tokens=batch_tokens)
     finally:
         lease.release()
 
 
 def _build(model, store: Store, source: PromptSource, scan, identity: dict, selection, lease: Lease, *,
-           overwrite: bool, progress: bool, started: float) -> ActivationDataset:
+           overwrite: bool, progress: bool, started: float, writers: int, batch_tokens: int) -> ActivationDataset:
     """The build proper, with the folder's lease held: clean up, check what a resume keeps,
     capture the missing shards, and record each in the manifest."""
     n_shards, shard_size, layout, stored = identity["n_shards"], identity["shard_size"], identity["layout"], identity["dtype"]
@@ -137,7 +149,8 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     spec = ShardSpec(store, tuple(identity["points"]), layout, stored, scan.max_length, n_shards, shard_size,
                      identity_json(identity), positions=selection,
                      held=width_bound(selection, scan.max_length) if selection is not None else 0,
-                     n_prompts=scan.count, shuffle_seed=identity["shuffle_seed"])
+                     n_prompts=scan.count, shuffle_seed=identity["shuffle_seed"], batch_tokens=batch_tokens,
+                     writers=writers)
     shard_tokens = _shard_tokens(scan, spec)
     expected = {i: Expected(_shard_rows(shard_tokens, scan, spec, i), spec.metadata) for i in present}
     good, repaired = verify_existing(store, present, sizes, records, expected)
@@ -151,8 +164,11 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     bar = _progress(progress, scan, stats)
     t0 = last_saved = time.perf_counter()
     new_tokens = 0
+    phases: dict[str, float] = {}
     for shard in _run_shards(model, spec, source, set(good)):
         stats.append(shard)
+        for phase, seconds in shard.times.items():
+            phases[phase] = phases.get(phase, 0) + seconds
         manifest["shards"][shard_name(shard.index, n_shards)] = shard.record()
         new_tokens += shard.tokens
         if time.perf_counter() - last_saved > _SAVE_EVERY_S:  # records survive a driver kill
@@ -174,15 +190,14 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     lease.check()
     write_manifest(store, manifest)
     return ActivationDataset(where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
-                             tuple(repaired), store)
+                             tuple(repaired), store, phases)
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:
     if isinstance(model, WritesShards):  # a cluster model: replicas write the shards
         yield from model.write_shards(spec, source, done)
         return
-    for index, texts in source.shards(spec.shard_size, done, spec.order()):
-        yield write_shard(model, spec, index, texts)
+    yield from write_shards(ShardWriter(model), spec, source.shards(spec.shard_size, done, spec.order()))
 
 
 def _shard_prompts(scan, index: int, shard_size: int) -> int:

@@ -39,6 +39,9 @@ class ActivationDataset:
     resumed_shards: int = 0
     repaired: tuple[str, ...] = ()  # shards a resume found bad and rewrote
     store: Store | None = None
+    #: seconds the shards this build wrote spent in each phase, summed over shards (``capture``,
+    #: ``encode``, ``hash``, ``write``, ``waiting``; they overlap across shards) and their ``bytes``
+    phases: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def open(cls, output, *, filesystem=None, verify: bool = False) -> "ActivationDataset":

@@ -24,6 +24,12 @@ shard of this one, is told apart by :mod:`.dataset_integrity` whatever its manif
 
 Tensor columns are nested fixed-size lists that every consumer reads, bf16 as exact float32
 (see :mod:`.dataset_columns`); :func:`read_tensor` gives back torch tensors in the captured dtype.
+
+A shard is captured (:func:`capture_shard`) and then written (:func:`write_captured`) in two
+steps, so that a build writes one shard while the model captures the next
+(:mod:`.dataset_writer`). A batched model (eager) captures a shard in padded batches of similar
+lengths (:func:`~.batching.plan_batches`, at most ``ShardSpec.batch_tokens`` padded tokens
+each); a one-prompt model (vLLM) gets every prompt of the shard in flight at once.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,7 +46,9 @@ import pyarrow as pa
 import torch
 
 from .address import parse_address
-from .batching import pad_positions, pad_tokens, run_padded
+from .address import Address
+from .batching import join_rows, pad_positions, pad_tokens, plan_batches, run_padded
+from .cache import Cache
 from .dataset_columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
 from .dataset_columns import IDENTITY_KEY, INDEX_KEY, encode, field_metadata, nested, write_bytes
 from .dataset_names import shard_name as shard_name
@@ -49,6 +58,9 @@ if TYPE_CHECKING:
     from .dataset_store import Store
 
 LAYOUTS = ("sequence", "token")
+#: padded tokens per forward of a batched model in a build: big enough to keep a CPU's or a
+#: GPU's matmuls efficient, small enough that activations stay a few hundred MiB on 8B models
+BATCH_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +79,8 @@ class ShardSpec:
     held: int = 0  # the width of a selection in the sequence layout
     n_prompts: int = 0
     shuffle_seed: int | None = None  # build-time shuffle (see :func:`prompt_order`)
+    batch_tokens: int = BATCH_TOKENS  # padded tokens per forward of a batched model (plan_batches)
+    writers: int = 1  # shards encoded, hashed and written at once beside the capture (dataset_writer)
 
     def order(self) -> "np.ndarray | None":
         """Which prompt goes where: ``None`` for prompt order, else a fixed permutation."""
@@ -91,6 +105,9 @@ class ShardStats:
     sha256: str = ""
     replica: int = -1  # which replica wrote it (-1: the driver's own model), and its process
     pid: int = 0
+    #: seconds spent on it: capture, encode (Arrow table and Parquet), hash, write (the store),
+    #: waiting (for the model and for a writer); for the benchmark, never in the manifest
+    times: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def record(self) -> dict:
         """The manifest's record: what integrity checks use, and who wrote it."""
@@ -108,13 +125,51 @@ def prompt_order(seed: int, n_prompts: int) -> np.ndarray:
     return order
 
 
-def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple[pa.Table, int]:
-    """The shard's Arrow table and its number of real tokens."""
+@dataclasses.dataclass
+class Captured:
+    """One shard's capture, not yet written: its padded tokens, the cache, its prompt ids."""
+
+    index: int
+    tokens: torch.Tensor
+    cache: Cache
+    ids: torch.Tensor
+    seconds: float = 0.0
+
+
+def capture_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> Captured:
+    """Capture the prompts of shard ``index`` (``texts``)."""
+    start = time.perf_counter()
     rows = [model.tok.encode(t) for t in texts]
     tokens = pad_batch(rows)
-    addresses = [parse_address(p) for p in spec.points]
-    cache = run_padded(model, tokens, addresses, spec.positions)
+    cache = _run_batches(model, tokens, [parse_address(p) for p in spec.points], spec.positions, spec.batch_tokens)
     ids = torch.from_numpy(spec.prompt_ids(index, len(rows)).copy())
+    return Captured(index, tokens, cache, ids, time.perf_counter() - start)
+
+
+def _run_batches(model, tokens: torch.Tensor, addresses: list[Address], positions, batch_tokens: int) -> Cache:
+    """The padded batch ``tokens`` captured in the batches :func:`plan_batches` cuts it into (a
+    batched model; one batch is the whole batch as given, and a one-prompt model runs all rows in
+    flight at once), joined back in the rows' order at the input's width."""
+    lengths = (tokens >= 0).sum(dim=1).tolist()
+    plan = plan_batches(lengths, batch_tokens) if model.batched else [list(range(len(lengths)))]
+    if len(plan) == 1:
+        return run_padded(model, tokens, addresses, positions)
+    caches, parts = [], []
+    for batch in plan:
+        part = tokens[batch, :max(lengths[i] for i in batch)]
+        caches.append(run_padded(model, part, addresses, positions))
+        parts.append(part)
+    held = None if positions is None else [c.positions for c in caches]
+    joined, padded, held = join_rows([c.to_dict() for c in caches], parts, tokens.shape[1], held)
+    back = torch.argsort(torch.tensor([i for batch in plan for i in batch]))  # the rows' own order
+    return Cache({a: t[back] for a, t in joined.items()}, padded[back], None, model.name, model.backend,
+                 None if held is None else held[back])
+
+
+def shard_table(spec: ShardSpec, captured: Captured) -> tuple[pa.Table, int]:
+    """The shard's Arrow table and its number of real tokens."""
+    index, tokens, cache, ids = captured.index, captured.tokens, captured.cache, captured.ids
+    addresses = [parse_address(p) for p in spec.points]
     lengths = (tokens >= 0).sum(dim=1)
     columns: dict[str, pa.Array] = {}
     fields: list[pa.Field] = []
@@ -154,12 +209,29 @@ def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple
     return pa.Table.from_arrays(list(columns.values()), schema=schema), int(lengths.sum())
 
 
-def write_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
-    """Capture ``texts`` (prompts ``index * shard_size ...``) and publish shard ``index``."""
-    table, n_tokens = capture_table(model, spec, index, texts)
+def capture_table(model, spec: ShardSpec, index: int, texts: list[str]) -> tuple[pa.Table, int]:
+    """The shard's Arrow table and its number of real tokens, captured and built in one call."""
+    return shard_table(spec, capture_shard(model, spec, index, texts))
+
+
+def write_captured(spec: ShardSpec, captured: Captured) -> ShardStats:
+    """Encode, hash and publish a captured shard."""
+    start = time.perf_counter()
+    table, n_tokens = shard_table(spec, captured)
     data = shard_bytes(table)
-    spec.store.write(spec.name(index), data)
-    return ShardStats(index, len(texts), n_tokens, table.num_rows, len(data), hashlib.sha256(data).hexdigest())
+    encoded = time.perf_counter()
+    sha256 = hashlib.sha256(data).hexdigest()
+    hashed = time.perf_counter()
+    spec.store.write(spec.name(captured.index), data)
+    times = {"capture": captured.seconds, "encode": encoded - start, "hash": hashed - encoded,
+             "write": time.perf_counter() - hashed, "bytes": len(data)}
+    return ShardStats(captured.index, len(captured.ids), n_tokens, table.num_rows, len(data), sha256, times=times)
+
+
+def write_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> ShardStats:
+    """Capture ``texts`` (prompts ``index * shard_size ...``) and publish shard ``index``, one
+    step after the other (a build overlaps them: :mod:`.dataset_writer`)."""
+    return write_captured(spec, capture_shard(model, spec, index, texts))
 
 
 def shard_bytes(table: pa.Table) -> bytes:

@@ -162,6 +162,12 @@ class CaptureModel:
         return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
                          edits=self._edits(edits, tokens))
 
+    def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
+        """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
+        batches requests itself (vLLM) keeps them all in flight at once; this default runs them
+        one after another."""
+        return [self.run_with_cache(row, points, positions=positions, edits=edits) for row in rows]
+
     def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})

@@ -14,6 +14,12 @@ attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``
 ``router_logits`` and, where the router's selection is read from the call that hands it to the
 expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.vllm_moe`, docs/MOE.md). ``pattern`` is never formed
 by vLLM's fused attention, and vLLM builds no autograd graph: both are clear errors.
+
+A prefill-only capture (``run_with_cache``, ``model.capture`` without ``max_tokens``) runs only
+the layers up to its deepest point while every request in the engine is such a prefill (see
+:mod:`.vllm_loop`; families whose vLLM model class loops over ``start_layer .. end_layer``);
+generation and the logits always run the whole model. ``run_many`` submits many prompts at
+once, as a dataset build does.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
         try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
             run_on_loop(self._loop, "interp_guard_kv")
+            #: whether a prefill may run only the layers it reads (see vllm_loop)
+            self.shortens = all(run_on_loop(self._loop, "interp_depth_limit"))
             if any(read.phase == "select" for read in self.sites.values()):
                 unreadable = run_on_loop(self._loop, "interp_unreadable_sites")[0]
                 self.capabilities = self.capabilities.serving(self.unserved | frozenset(unreadable))
@@ -144,9 +152,19 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None,
                 positions: Selection | None, edits: dict | None = None):
         wire = sorted({str(self._read_as(a)) for a in addresses})
+        layers = self._depth(addresses, edits) if options is None and self.shortens else None
         edits = {str(a): edit_wire(planned) for a, planned in edits.items()} if edits else None
-        job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire(), edits)
+        job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire(), edits, layers)
         return self._loop.submit(job)
+
+    def _depth(self, addresses: list[Address], edits: dict | None) -> int | None:
+        """The layers a prefill reading ``addresses`` (and editing ``edits``) needs: up to its
+        deepest layer; None (all, and the logits) if it reads or edits ``logits``."""
+        read = [self._read_as(a) for a in addresses] + list(edits or ())
+        if not read or any(a.layer is None for a in read):
+            return None
+        layers = max(a.layer for a in read) + 1
+        return layers if layers < self.info.n_layers else None
 
     def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
         if not detach:
@@ -156,6 +174,23 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             )
         finished = cancel.wait(self._submit(tokens, addresses, None, positions, edits))
         return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
+
+    def run_many(self, rows, points, *, positions=None, edits=None) -> list[Cache]:
+        """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
+        batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
+        Each row is checked first: a bad one fails the call before any is submitted."""
+        calls = []
+        for row in rows:
+            tokens, addresses = self.check(row, points)
+            calls.append((tokens, addresses, self._selection(tokens, positions), self._edits(edits, tokens)))
+        futures = [self._submit(tokens, addresses, None, held, planned) for tokens, addresses, held, planned in calls]
+        try:
+            return [self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1])
+                    for future, (tokens, addresses, held, _) in zip(futures, calls)]
+        except BaseException:
+            for future in futures:  # the engine loop aborts each cancelled request
+                future.cancel()
+            raise
 
     def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
         finished = cancel.wait(self._submit(tokens, addresses, options, positions, edits))

@@ -80,6 +80,30 @@ def tensor_parallel() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+# -- running the first layers only -------------------------------------------------------------
+def layer_range(stack) -> tuple[int, int] | None:
+    """``(start, end)``: the decoder layers the module ``stack`` (the parent of the layer list)
+    runs on each forward, when its forward reads them from ``self.start_layer`` /
+    ``self.end_layer`` on every call (vLLM 0.32's Llama, Qwen2/3, Qwen3-MoE, Gemma 1/2/3, GPT-2,
+    GPT-OSS: ``islice(self.layers, self.start_layer, self.end_layer)``, there for pipeline
+    parallelism); ``None`` for a model whose forward does not (the Transformers backend)."""
+    import inspect
+
+    start, end = getattr(stack, "start_layer", None), getattr(stack, "end_layer", None)
+    if not isinstance(start, int) or not isinstance(end, int):
+        return None
+    try:
+        source = inspect.getsource(type(stack).forward)
+    except (OSError, TypeError):
+        return None
+    return (start, end) if "self.end_layer" in source else None
+
+
+def set_layer_end(stack, end: int) -> None:
+    """Make the next forwards of ``stack`` stop after layer ``end - 1`` (see :func:`layer_range`)."""
+    stack.end_layer = end
+
+
 # -- the KV cache -------------------------------------------------------------------------------
 def kv_cache_views(runner) -> list[torch.Tensor]:
     """Every attention layer's KV cache on this rank, each once, as views whose dim 0 is the

@@ -40,6 +40,24 @@ class CaptureExtension:
             guard.install(vllm_compat.runner_model(runner))
             self._interp_kv_guard = guard
 
+    def interp_depth_limit(self) -> int:
+        """How many layers this worker's model runs; 0 if it cannot be told to run fewer
+        (:func:`.vllm_compat.layer_range`)."""
+        recorder = self._interp_recorder()
+        span = vllm_compat.layer_range(recorder.stack)
+        if span is None or span[0] != 0 or span[1] != len(recorder.layers):
+            return 0
+        self._interp_full_depth = span[1]
+        return span[1]
+
+    def interp_set_depth(self, layers: int | None) -> None:
+        """Run only layers ``0 .. layers - 1`` from the next forward on (None: every layer).
+        The engine loop asks for it only while every request it holds is a prefill whose
+        deepest point is above ``layers`` (:mod:`.vllm_loop`); layers past it, and with them
+        the logits, are garbage then and nothing reads them."""
+        full = self._interp_full_depth
+        vllm_compat.set_layer_end(self._interp_recorder().stack, full if layers is None else min(layers, full))
+
     def interp_register(self, requests: dict) -> None:
         self._interp_recorder().register(requests)
 
@@ -53,12 +71,13 @@ class CaptureExtension:
         """What this worker holds: registered requests not taken yet, hooks installed now (an
         idle engine has none), the most registered requests seen in one forward, the bytes of
         every row handed back to the driver so far, and the KV cache blocks the guard zeroed
-        (None: no guard)."""
+        (None: no guard), and how many layers the next forward runs."""
         recorder = self._interp_recorder()
         return {"pending": sorted(recorder.requests.wanted), "hooks": recorder.hooks_installed,
                 "edited": sorted(recorder.editor.edits),
                 "max_batch": recorder.requests.max_batch, "bytes_returned": recorder.bytes_returned,
-                "kv_blocks_zeroed": getattr(getattr(self, "_interp_kv_guard", None), "zeroed", None)}
+                "kv_blocks_zeroed": getattr(getattr(self, "_interp_kv_guard", None), "zeroed", None),
+                "layers_run": (vllm_compat.layer_range(recorder.stack) or (0, len(recorder.layers)))[1]}
 
     def interp_unreadable_sites(self) -> list[str]:
         """Sites of the table this engine never computes in a readable form (see vllm_moe)."""

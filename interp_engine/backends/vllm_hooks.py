@@ -48,6 +48,8 @@ class WorkerRecorder:
         self._edit_groups: dict[Group, list[Address]] = {}
         self._stash_groups: dict[Group, int] = {}
         self.layers = self.model.get_submodule(arch.layers)
+        #: the module that runs the layers (its forward loops over them)
+        self.stack = self.model.get_submodule(arch.layers.rpartition(".")[0])
         #: the registered requests and this forward's rows of each
         self.requests = BatchRows()
         #: bytes of every row this worker has handed back (what crosses to the driver)

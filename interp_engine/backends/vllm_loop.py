@@ -16,6 +16,16 @@ replaces ``torch.set_num_threads`` with a no-op in a process that hosts a CPU wo
 
 A job whose future is cancelled (an abandoned ``await``) is aborted in the engine. An engine
 failure fails every job in flight, and later calls, with the original error attached.
+
+**Running fewer layers.** A prefill-only job whose deepest point is in layer ``L`` needs layers
+``0 .. L`` and nothing after them (not even the logits: its one sampled token is thrown away).
+Before each step the loop looks at every job the engine holds: when all of them carry such a
+depth (``Job.layers``), the workers run only the deepest one's layers
+(``interp_set_depth``); as soon as one job needs them all — a generation, a ``logits`` point,
+an edit there, a job without a depth — the step runs every layer, and an idle engine is always
+left whole. A step's batch is drawn from the jobs the engine holds, so no request that reads
+the later layers or the logits is ever computed by a shortened model; the layers a shortened
+step runs compute exactly what they compute in a full one.
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ class Job:
     positions: dict | None = None
     #: ``{address: edit as plain data}`` (edits_wire.wire): applied to this request's rows only
     edits: dict | None = None
+    #: how many layers this job needs (a prefill whose deepest point is in layer ``layers - 1``);
+    #: None: every layer and the logits
+    layers: int | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     internal_id: str = ""
 
@@ -79,6 +92,9 @@ class EngineLoop:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._closed = False
+        self._depth: int | None = None  # layers the workers run now (None: all)
+        #: how many steps ran with fewer layers than the model has (for tests and benchmarks)
+        self.shortened_steps = 0
         self._thread = threading.Thread(target=self._run, name="interp-vllm-engine", daemon=True)
         self._thread.start()
 
@@ -116,10 +132,15 @@ class EngineLoop:
 
             pin_torch_threads(self._threads)
             while True:
-                if not self._admit(block=not self.engine.has_unfinished_requests()):
+                idle = not self.engine.has_unfinished_requests()
+                if idle and self._depth is not None:  # an idle engine is left whole
+                    self._set_depth(None)
+                if not self._admit(block=idle):
                     break
                 self._abort_cancelled()
                 if self.engine.has_unfinished_requests():
+                    self._set_depth(self._needed_depth())
+                    self.shortened_steps += self._depth is not None
                     self._finish([o for o in self.engine.step() if o.finished])
         except BaseException as err:  # the engine is unusable now: tell everyone waiting
             self._error = err
@@ -164,6 +185,18 @@ class EngineLoop:
             return self._inbox.get_nowait()
         except queue.Empty:
             return None
+
+    def _needed_depth(self) -> int | None:
+        """The layers the jobs the engine holds need: None if any needs them all."""
+        depths = [job.layers for job in self._jobs.values()]
+        if not depths or None in depths:
+            return None
+        return max(depths)
+
+    def _set_depth(self, layers: int | None) -> None:
+        if layers != self._depth:
+            self.engine.collective_rpc("interp_set_depth", args=(layers,))
+            self._depth = layers
 
     def _add(self, job: Job, new: dict[str, dict]) -> None:
         if job.future.cancelled():

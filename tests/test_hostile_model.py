@@ -99,7 +99,9 @@ def test_cancelled_generation_stops_on_eager(eager_models):
 @pytest.fixture(scope="module")
 def cluster_llama(tiny_path):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    from interp_engine.loopback import start_local_ray
+
+    start_local_ray(num_cpus=2)  # a new local Ray, never one another process started on this machine
     model = load_model(str(tiny_path("llama")), replicas=1, cpus_per_replica=1, torch_threads=1)
     yield model
     model.close()

@@ -320,10 +320,11 @@ def test_bad_edits_are_clear_errors_and_the_model_keeps_serving(model, tokens, e
 
 
 def test_function_edit_of_the_wrong_shape_is_a_clear_error(model, tokens):
+    before = run_with_cache(model, tokens, ["logits", "mlp_out.0"])
     with pytest.raises(InputError, match="must return a tensor of shape"):
         run_with_cache(model, tokens, ["logits"], edits={"mlp_out.0": lambda t, a: t[:, :1]})
-    fresh = run_with_cache(model, tokens, ["logits"])
-    assert torch.equal(fresh["logits"], run_with_cache(model, tokens, ["logits"])["logits"])
+    after = run_with_cache(model, tokens, ["logits", "mlp_out.0"])  # no hook or edit left behind
+    assert torch.equal(after["logits"], before["logits"]) and torch.equal(after["mlp_out.0"], before["mlp_out.0"])
 
 
 def test_gemma2_sites_through_the_same_table(eager_models):

@@ -9,10 +9,20 @@ before a fence (an HTML comment, invisible on the rendered page):
 
 Hub ids that are not on this machine stand for a tiny model of the same family
 (:data:`STANDINS`); the embedded SmolLM2's hub id loads offline as it is.
+
+A python block states results two ways, and the runner checks both (:func:`instrument`):
+
+- ``expr  # -> value  prose``: a promise that ``expr`` gives ``value`` (a Python literal, or an
+  expression of literals and ``torch`` such as ``torch.Size([1, 5])``, whether or not the block
+  imports torch; it ends at two spaces or the end of the line, and what follows is prose).
+  A ``torch.Size`` or tuple equals the list of the same numbers (:func:`promised`);
+- a bare comparison statement (``a == b``, ``x in y``), whose result a reader would otherwise
+  take on trust, is asserted.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -92,3 +102,60 @@ def command_key(code: str) -> str:
         if line:
             kept.append(" ".join(line.split()))
     return "\n".join(kept)
+
+
+PROMISE = re.compile(r"^(?P<indent>\s*)(?P<expr>\S.*?)\s*#\s*->\s*(?P<value>.*?)\s*$")
+
+
+def instrument(block: Block) -> tuple[str, int]:
+    """``block.code`` with each promise and bare comparison turned into a check that names the
+    doc line, and the number of checks; the lines keep their numbers. A ``# ->`` that does not
+    follow an expression or give a value is an error naming the line."""
+    lines = block.code.splitlines()
+    checks = 0
+    for i, line in enumerate(lines):
+        found = PROMISE.match(line)
+        if not found:
+            continue
+        expr, value = found["expr"], re.split(r"\s{2,}", found["value"], maxsplit=1)[0]
+        where = f"{block.path.relative_to(ROOT)}:{block.line + 1 + i}"
+        try:
+            ast.parse(expr, mode="eval"), ast.parse(value, mode="eval")
+        except SyntaxError:
+            raise ValueError(f"{where}: a '# ->' promise must follow an expression and give a Python value: "
+                             f"{line.strip()!r}") from None
+        lines[i] = f"{found['indent']}__promised__({expr}, {value!r}, {where + ': ' + expr!r})"
+        checks += 1
+    tree = ast.parse("\n".join(lines))
+    claims = [node for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Compare)]
+    for node in sorted(claims, key=lambda n: (n.lineno, n.col_offset), reverse=True):
+        where = f"{block.path.relative_to(ROOT)}:{block.line + node.lineno}"
+        message = f"{where}: {ast.get_source_segment(chr(10).join(lines), node.value)} is false"
+        end = lines[node.end_lineno - 1]
+        lines[node.end_lineno - 1] = f"{end[:node.end_col_offset]}, {message!r}{end[node.end_col_offset:]}"
+        start = lines[node.lineno - 1]
+        lines[node.lineno - 1] = f"{start[:node.col_offset]}assert {start[node.col_offset:]}"
+        checks += 1
+    return "\n".join(lines) + "\n", checks
+
+
+def promised(got, value: str, where: str) -> None:
+    """The check behind ``expr  # -> value``: ``value`` is evaluated with only ``torch`` in scope;
+    sequences (``torch.Size``, tuples, lists, tensors) compare element by element, anything else
+    with ``==``."""
+    import torch
+
+    value = eval(value, {"torch": torch})
+    if not _same(got, value):
+        raise AssertionError(f"{where}: the doc promises {value!r}, the code gives {got!r}")
+
+
+def _same(got, value) -> bool:
+    if hasattr(got, "tolist") and not isinstance(got, (str, bytes)):
+        got = got.tolist()
+    if isinstance(value, (list, tuple)):
+        return (isinstance(got, (list, tuple)) and len(got) == len(value)
+                and all(_same(g, v) for g, v in zip(got, value)))
+    if isinstance(got, bool) or isinstance(value, bool):
+        return got is value
+    return got == value

@@ -1,5 +1,7 @@
 """The address grammar: round trips, tuple form, and errors that list the valid options."""
 
+import dataclasses
+
 import pytest
 
 from interp_engine import Address, AddressError, format_address, parse_address, to_address
@@ -26,7 +28,7 @@ def test_forms_agree():
 
 
 def test_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         Address("z", 7).layer = 3
 
 

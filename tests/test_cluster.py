@@ -15,6 +15,7 @@ from interp_engine import AddressError, InputError, capture_generation, load_mod
 from interp_engine.errors import ClusterError, DatasetExistsError, PromptsError
 from interp_engine.dataset import build_dataset
 
+from . import sampling_checks
 from .clusters import simulated_cluster
 from .faults import kill_replica
 from .oracles import assert_caches_near, row_chunks, torch_threads
@@ -84,6 +85,13 @@ def test_capture_generation_equals_local(cluster_llama, eager_models):
     for address in cache1:
         assert torch.equal(cache1[address], cache2[address])
 
+
+
+@pytest.mark.parametrize("check", sampling_checks.PROPERTIES, ids=lambda check: check.__name__)
+def test_sampling(cluster_llama, check):
+    """What temperature, top-k, top-p and seed mean, as on a local model: the options and the
+    seed reach the replica (tests/sampling_checks.py)."""
+    check(cluster_llama)
 
 def test_async_capture_equals_local(cluster_llama, eager_models):
     local = eager_models("llama")

@@ -5,7 +5,9 @@ capture with nothing written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 
 import pyarrow.fs as pafs
 import pytest
@@ -121,12 +123,34 @@ def test_bad_destinations_fail_before_any_capture(s3, llama, no_capture, monkeyp
         with pytest.raises(StorageError, match="no AWS credentials .*AWS_ACCESS_KEY_ID"):
             build("s3://acts/nocreds")
     assert s3.keys("acts") == before  # nothing written anywhere
-    if os.geteuid() != 0:  # root writes through any mode bits
-        locked = tmp_path / "locked"
-        locked.mkdir()
-        locked.chmod(0o555)
+
+
+@contextlib.contextmanager
+def read_only_dir(path):
+    """A directory this process cannot write into: mode 0o555 and, for root (who writes through
+    any mode bits), the immutable attribute as well; a skip that says why where neither holds."""
+    path.mkdir()
+    path.chmod(0o555)
+    immutable = os.geteuid() == 0
+    if immutable:
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"running as root, where only an immutable directory is read-only, and `chattr +i` "
+                        f"failed here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        path.chmod(0o755)
+
+
+def test_a_read_only_folder_fails_before_any_capture(llama, no_capture, tmp_path):
+    with read_only_dir(tmp_path / "locked") as locked:
+        with pytest.raises(OSError):  # the premise: nothing can be written there, even by root
+            (locked / "probe").write_bytes(b"")
         with pytest.raises(StorageError, match="read-only"):
-            build(locked / "ds")
+            build_dataset(llama, PROMPTS, POINTS, locked / "ds", progress=False)
         assert list(locked.iterdir()) == []
 
 

@@ -1,7 +1,8 @@
 """Every fenced code block of README.md and docs/*.md runs as written (tests/docs_blocks.py).
 
 Python blocks run in a fresh interpreter each (a ``continues`` block after the blocks it
-continues), bash blocks under ``bash -e`` with this venv's ``python`` and ``ray`` first on PATH;
+continues), with the results they promise checked (``# -> value`` and bare comparisons,
+tests/docs_blocks.py), bash blocks under ``bash -e`` with this venv's ``python`` and ``ray`` first on PATH;
 both in a copy of the repository, so relative paths (``jobs/examples/...``, ``out/``) mean what
 they mean to a reader in a checkout. YAML blocks are job configs and must validate; the README's
 layout block must name files that exist. Blocks marked ``<!-- skip: reason -->`` are skipped with
@@ -32,8 +33,9 @@ TIMEOUT = 600
 
 DRIVER = """
 import json, sys
+from tests.docs_blocks import promised
 blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__main__"}
+namespace = {"__name__": "__main__", "__promised__": promised}
 for label, code in blocks:
     print(f"--- running {label}", flush=True)
     exec(compile(code, label, "exec"), namespace)
@@ -99,7 +101,7 @@ def _standins(code: str, tiny_path) -> str:
 def test_python_block_runs(group: list[Block], checkout, environ, tiny_path, tmp_path):
     _skip_if_marked(group[0])
     script = tmp_path / "blocks.json"
-    script.write_text(json.dumps([(b.id, _standins(b.code, tiny_path)) for b in group]))
+    script.write_text(json.dumps([(b.id, _standins(docs_blocks.instrument(b)[0], tiny_path)) for b in group]))
     done = _run([sys.executable, "-c", DRIVER, str(script)], checkout, environ)
     assert done.returncode == 0, f"{group[0].id} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
 
@@ -176,6 +178,28 @@ def test_every_block_is_found_and_handled():
     assert all(b.skip.strip() for b in ALL if b.skip is not None)
 
 
+def test_a_wrong_promise_fails_the_block(tmp_path):
+    """The runner checks what a block promises: a wrong ``# -> value`` or a false bare comparison
+    fails the block, naming the doc line; right ones pass; a promise that is not one is an error."""
+    doc = ROOT / "README.md"
+
+    def run(code: str, checks: int = 1) -> None:
+        source, found = docs_blocks.instrument(Block(doc, 10, "python", code))
+        assert found == checks
+        exec(compile(source, "block", "exec"), {"__promised__": docs_blocks.promised})
+
+    run("import torch\nx = torch.zeros(1, 5)\nx.shape  # -> torch.Size([1, 5])  [batch, pos]\n"
+        "x.shape  # -> [1, 5]\n(x.sum() + 2).item()  # -> 2.0\n' Paris'.strip()  # -> 'Paris'\nx.shape[1] == 5\n", 5)
+    with pytest.raises(AssertionError, match=r"README.md:13: x.shape: the doc promises \[1, 6\], the code gives torch.Size\(\[1, 5\]\)"):
+        run("import torch\nx = torch.zeros(1, 5)\nx.shape  # -> [1, 6]  [batch, pos]\n")
+    with pytest.raises(AssertionError, match=r"README.md:13: x.shape\[1\] == 6 is false"):
+        run("import torch\nx = torch.zeros(1, 5)\n(\n  x.shape[1] == 6\n)\n")
+    with pytest.raises(AssertionError, match="promises True"):
+        run("[1] == [1]  # -> True\n1  # -> True\n", 2)
+    with pytest.raises(ValueError, match="README.md:11: a '# ->' promise"):
+        run("x = 1  # -> 1\n")
+
+
 def summary() -> str:
     """One line for the end of the test session: how many blocks there are and what happened to them."""
     per_doc = ", ".join(f"{d.relative_to(ROOT)} {len(docs_blocks.blocks(d))}" for d in docs_blocks.DOCUMENTS)
@@ -183,6 +207,8 @@ def summary() -> str:
     for b in ALL:
         kinds[b.lang] = kinds.get(b.lang, 0) + 1
     skipped = [b for b in ALL if b.skip]
+    promises = sum(docs_blocks.instrument(b)[1] for group in PYTHON for b in group)
     return (f"docs: {len(ALL)} fenced blocks ({per_doc}): "
             + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-            + f"; {len(ALL) - len(skipped)} run or checked, {len(skipped)} skipped with a reason")
+            + f"; {len(ALL) - len(skipped)} run or checked, {len(skipped)} skipped with a reason; "
+            + f"{promises} promised results checked")

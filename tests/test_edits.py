@@ -79,7 +79,33 @@ def _kinds(model, site, length):
 GEMMA2_OUT = {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm", "resid_post": ""}
 
 
-def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT):
+def _llama_mid(layer, fn):
+    """Llama's decoder layer written out, with ``fn`` applied to resid_mid."""
+    def rewritten(hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                  use_cache=False, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        h, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                               position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                               position_embeddings=position_embeddings, **kwargs)
+        mid = fn(residual + h)
+        return mid + layer.mlp(layer.post_attention_layernorm(mid))
+    return rewritten
+
+
+def _gemma2_mid(layer, fn):
+    """Gemma 2's decoder layer written out (each block's output normed before the add), with
+    ``fn`` applied to resid_mid."""
+    def rewritten(hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                  past_key_values=None, **kwargs):
+        h, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                               position_ids=position_ids, past_key_values=past_key_values,
+                               position_embeddings=position_embeddings, **kwargs)
+        mid = fn(hidden_states + layer.post_attention_layernorm(h))
+        return mid + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(mid)))
+    return rewritten
+
+
+def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT, mid=_llama_mid):
     """Logits and resid_post of the last layer with ``fn`` applied to ``site.LAYER`` by hand."""
     hf = model.hf
     layer = hf.model.layers[LAYER]
@@ -104,17 +130,7 @@ def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT):
                     with_kwargs=True))
         elif site == "resid_mid":
             forward = layer.forward
-
-            def rewritten(hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                          use_cache=False, position_embeddings=None, **kwargs):
-                residual = hidden_states
-                h, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                       position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                                       position_embeddings=position_embeddings, **kwargs)
-                mid = fn(residual + h)
-                return mid + layer.mlp(layer.post_attention_layernorm(mid))
-
-            layer.forward = rewritten
+            layer.forward = mid(layer, fn)
         else:  # q / k / v / pattern: an attention function of our own, on this layer only
             def attend(module, query, key, value, mask, **kwargs):
                 if module is not layer.self_attn:
@@ -170,15 +186,18 @@ def test_edit_equals_hand_written_hook(model, tokens, site, kind):
     assert_near(got[last], want_last, f"{site} {kind} {last}", 1e-5)
 
 
-@pytest.mark.parametrize("site", ["resid_pre", "attn_out", "mlp_out", "resid_post", "z", "mlp_post"])
+@pytest.mark.parametrize("site", ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post",
+                                  "q", "k", "v"])
 def test_gemma2_edit_equals_hand_written_hook(eager_models, site):
     model = eager_models("gemma2")
     tokens = model.to_tokens(PROMPT)
+    plain = run_with_cache(model, tokens, ["logits"])
     for kind in ("add", "zero"):
         edit, fn = _kinds(model, site, tokens.shape[1])[kind]
         last = f"resid_post.{model.n_layers - 1}"
         got = run_with_cache(model, tokens, ["logits", last], edits={f"{site}.{LAYER}": edit})
-        want_logits, want_last = _oracle(model, tokens, site, fn, GEMMA2_OUT)
+        assert (got["logits"] - plain["logits"]).abs().max() > 1e-4, f"gemma2 {site} {kind} changed nothing"
+        want_logits, want_last = _oracle(model, tokens, site, fn, GEMMA2_OUT, _gemma2_mid)
         assert_near(got["logits"], want_logits, f"gemma2 {site} {kind} logits", 1e-5)
         assert_near(got[last], want_last, f"gemma2 {site} {kind} {last}", 1e-5)
 
@@ -301,10 +320,11 @@ def test_bad_edits_are_clear_errors_and_the_model_keeps_serving(model, tokens, e
 
 
 def test_function_edit_of_the_wrong_shape_is_a_clear_error(model, tokens):
+    before = run_with_cache(model, tokens, ["logits", "mlp_out.0"])
     with pytest.raises(InputError, match="must return a tensor of shape"):
         run_with_cache(model, tokens, ["logits"], edits={"mlp_out.0": lambda t, a: t[:, :1]})
-    fresh = run_with_cache(model, tokens, ["logits"])
-    assert torch.equal(fresh["logits"], run_with_cache(model, tokens, ["logits"])["logits"])
+    after = run_with_cache(model, tokens, ["logits", "mlp_out.0"])  # no hook or edit left behind
+    assert torch.equal(after["logits"], before["logits"]) and torch.equal(after["mlp_out.0"], before["mlp_out.0"])
 
 
 def test_gemma2_sites_through_the_same_table(eager_models):

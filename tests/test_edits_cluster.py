@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import Add, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
+from interp_engine import Add, AddressError, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
 
 from .clusters import simulated_cluster, vllm_replica
 from .contract import assert_contract
@@ -101,5 +101,5 @@ def test_edits_on_a_vllm_replica_equal_local_eager(cluster_vllm, eager_models):
     got_c, got_cache = capture_generation(cluster_vllm, prompt, ["logits"], max_tokens=5, edits=_edits(local))
     assert got_c.token_ids == want_c.token_ids
     assert_near(got_cache["logits"], want_cache["logits"], "vLLM replica generation", REL)
-    with pytest.raises(Exception, match="cannot be edited on the vllm backend"):
+    with pytest.raises(AddressError, match="cannot be edited on the vllm backend"):
         run_with_cache(cluster_vllm, tokens[:1], ["logits"], edits={"pattern.1": Zero()})

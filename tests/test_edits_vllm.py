@@ -166,10 +166,12 @@ def test_gemma2_edits_equal_eager(gemma2, site):
     tokens = eager.to_tokens(PROMPT)
     address = f"{site}.{LAYER}"
     points = ["logits", address, f"resid_post.{eager.n_layers - 1}"]
+    plain = run_with_cache(vllm_model, tokens, ["logits"])["logits"]
     for kind in ("add", "zero"):
         edit = _edits(eager, site)[kind]
         want = run_with_cache(eager, tokens, points, edits={address: edit})
         got = run_with_cache(vllm_model, tokens, points, edits={address: edit})
+        assert (got["logits"] - plain).abs().max() > 1e-4, f"gemma2 {address} {kind} changed nothing"
         for point in points:
             assert_near(got[point], want[point], f"gemma2 {address} {kind}: {point}", REL)
 

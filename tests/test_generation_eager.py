@@ -7,6 +7,8 @@ import torch
 
 from interp_engine import Address, capture_generation, run_with_cache
 
+from . import sampling_checks
+
 POINTS = ["resid_post.1", "z.2", "q.0", "k.1", "v.2", "pattern.1", "logits"]
 
 
@@ -62,3 +64,9 @@ def test_captured_tensors_can_train_a_probe(model):
         probe = torch.nn.Linear(x.shape[-1], 1, device=x.device)
         probe(x).sum().backward()
         assert probe.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("check", sampling_checks.PROPERTIES, ids=lambda check: check.__name__)
+def test_sampling(model, check):
+    """What temperature, top-k, top-p and seed mean (tests/sampling_checks.py)."""
+    check(model)

@@ -5,6 +5,7 @@ works, without it is refused (401), and a driver killed mid-build resumes to the
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -94,10 +96,28 @@ def test_dashboard_is_on_loopback_and_needs_the_token(script_cluster):
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     assert urllib.request.urlopen(request, timeout=10).status == 200
     port = int(variables["RAY_API_SERVER_ADDRESS"].rsplit(":", 1)[1])
-    ip = socket.gethostbyname(socket.gethostname())
-    if ip != "127.0.0.1":
-        with socket.socket() as s:
-            assert s.connect_ex((ip, port)) != 0, "the dashboard must not listen beyond loopback"
+    bound = {c.laddr.ip for c in psutil.net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert bound and all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip in bound), bound
+    # and on this machine's own addresses beyond loopback (every interface's, whatever the
+    # hostname resolves to) nothing answers on that port
+    for family, address in _outside_addresses():
+        with socket.socket(family) as s:
+            s.settimeout(5)
+            assert s.connect_ex((address, port)) != 0, f"the dashboard answers on {address}: it must stay on loopback"
+
+
+def _outside_addresses() -> list[tuple[int, str]]:
+    """(family, address) of each of this machine's interface addresses that is neither loopback
+    nor link-local."""
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                ip = ipaddress.ip_address(a.address.split("%")[0])
+                if not (ip.is_loopback or ip.is_link_local):
+                    found.append((a.family, a.address))
+    return found
 
 
 #: non-loopback listeners docs/CLUSTER.md documents as unavoidable (process name -> why): none
@@ -105,8 +125,6 @@ BEYOND_LOOPBACK: dict[str, str] = {}
 
 
 def _cluster_pids(state: Path) -> set[int]:
-    import psutil
-
     pids = set()
     for pid in json.loads((state / "cluster.json").read_text())["pids"]:
         node = psutil.Process(pid)
@@ -115,10 +133,6 @@ def _cluster_pids(state: Path) -> set[int]:
 
 
 def test_every_port_the_cluster_opens_is_on_loopback(script_cluster):
-    import ipaddress
-
-    import psutil
-
     state, variables = script_cluster
     pids = _cluster_pids(state)
     listening = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name())

@@ -76,9 +76,17 @@ def test_gradients_flow_through_a_selection(tiny_path):
     from interp_engine import load_model
 
     model = load_model(str(tiny_path("llama")), requires_grad=True, **load_kwargs())
-    cache = run_with_cache(model, model.to_tokens("grad"), ["resid_post.1"], detach=False, positions=-1)
+    tokens = model.to_tokens("grad")
+    embed = model.hf.model.embed_tokens.weight
+    cache = run_with_cache(model, tokens, ["resid_post.1"], detach=False, positions=-1)
     cache["resid_post.1"].sum().backward()
-    assert model.hf.model.embed_tokens.weight.grad is not None
+    got, embed.grad = embed.grad.clone(), None
+    # the same as the gradient of that position of the full capture, and it reaches every
+    # prompt token (the last position attends to all of them)
+    full = run_with_cache(model, tokens, ["resid_post.1"], detach=False)
+    full["resid_post.1"][:, -1].sum().backward()
+    torch.testing.assert_close(got, embed.grad, rtol=1e-5, atol=1e-7)
+    assert bool((got[tokens[0]].abs().sum(-1) > 0).all())
 
 
 def test_generation_positions(model):

@@ -16,7 +16,7 @@ import torch
 from interp_engine import capture_generation, load_model, logit_lens, run_with_cache
 
 from .clusters import simulated_cluster, vllm_replica
-from .oracles import assert_near
+from .oracles import REL_SAME, assert_near
 
 ray = pytest.importorskip("ray")
 REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
@@ -71,7 +71,15 @@ def test_generation_and_slices_on_a_cluster(cluster_llama, eager_models):
     assert torch.equal(gen["resid_post.2"], full["resid_post.2"][:, n:])
     batch = local.tok.to_tokens(PROMPTS)
     got = run_with_cache(cluster_llama, batch, ["resid_post.1"], positions=slice(-3, None))
-    assert torch.equal(got.positions, run_with_cache(local, batch, ["resid_post.1"], positions=slice(-3, None)).positions)
+    want = run_with_cache(local, batch, ["resid_post.1"], positions=slice(-3, None))
+    assert torch.equal(got.positions, want.positions)
+    assert_near(got["resid_post.1"], want["resid_post.1"], "slice of resid_post.1", REL_SAME)
+    # and each selected row is that position of the cluster's own full capture
+    whole = run_with_cache(cluster_llama, batch, ["resid_post.1"])
+    for b, row in enumerate(got.positions.tolist()):
+        for k, p in enumerate(row):
+            if p >= 0:
+                assert torch.equal(got["resid_post.1"][b, k], whole["resid_post.1"][b, p]), (b, p)
 
 
 def test_whole_sites_lens_and_tokens_on_a_cluster(cluster_llama, eager_models):

@@ -6,6 +6,9 @@ decoder layer's output — the whole stream tensor — through its own output re
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 
@@ -109,27 +112,94 @@ def test_stream_zero_of_an_moe_model_is_resid_post(tmp_path):
     assert torch.equal(cache.get("resid_streams", 2, 0), cache.get("resid_post", 2))
 
 
-def test_block_outputs_on_a_multi_stream_model(stream_model):
-    """attn_out / mlp_out are what each block writes before it is spread over the streams:
-    on DeepSeek-V4, stream k after the layer = post_k * mlp_out + sum_j comb[j, k] * stream_j
-    before the MoE block, with the weights from the layer's own ffn hyper-connection."""
-    model = stream_model("deepseek_v4")
-    tokens = model.to_tokens("Hello")
-    L = 1
-    n = model.info.n_streams
-    mid = []
-    layer = model.hf.model.layers[L]
-    handle = layer.ffn_hc.register_forward_pre_hook(lambda m, args: mid.append(args[0].clone()))
+#: How each family adds its blocks' outputs into the streams, written out from its decoder layer
+#: (transformers 5.19): each yields (site, the streams as the model formed them, the same streams
+#: rebuilt from the captured site and the model's own mixing modules). ``seen`` holds the first
+#: input of the named submodules (``""``: the layer), the layer's output (``"out"``) and, for
+#: Gemma 3n, what its AltUp ``correct`` step received (``"altup.correct"``). Qwen4-Exp serves no
+#: ``attn_out`` (its linear-attention layers have no attention module to read it from).
+def _deepseek_v4(layer, seen, attn_out, mlp_out):
+    post, comb, _ = layer.attn_hc(seen["attn_hc"])
+    yield "attn_out", seen["ffn_hc"], post.unsqueeze(-1) * attn_out.unsqueeze(-2) + comb.transpose(-1, -2) @ seen["attn_hc"]
+    post, comb, _ = layer.ffn_hc(seen["ffn_hc"])
+    yield "mlp_out", seen["out"], post.unsqueeze(-1) * mlp_out.unsqueeze(-2) + comb.transpose(-1, -2) @ seen["ffn_hc"]
+
+
+def _hy_v4(layer, seen, attn_out, mlp_out):
+    post, _ = layer.attn_hc(seen["attn_hc"])
+    yield "attn_out", seen["ffn_hc"], post.unsqueeze(-1) * attn_out.unsqueeze(-2) + seen["attn_hc"]
+    post, _ = layer.ffn_hc(seen["ffn_hc"])
+    yield "mlp_out", seen["out"], post.unsqueeze(-1) * mlp_out.unsqueeze(-2) + seen["ffn_hc"]
+
+
+def _qwen4_exp(layer, seen, attn_out, mlp_out):
+    _, mixed, weights = layer.mlp_hyper_connection(seen["mlp_hyper_connection"])
+    yield "mlp_out", seen["out"], mixed + (mlp_out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+
+def _gemma3n(layer, seen, attn_out, mlp_out):
+    active = layer.altup.predict(seen[""])[layer.config.altup_active_idx]
+    laurel = layer.laurel(layer.input_layernorm(active))
+    yield "attn_out", seen["pre_feedforward_layernorm"], (active + attn_out + laurel) / math.sqrt(2)
+    yield "mlp_out", seen["altup.correct"], seen["pre_feedforward_layernorm"] + mlp_out
+
+
+BLOCKS_INTO_STREAMS = {
+    "deepseek_v4": (_deepseek_v4, ("attn_hc", "ffn_hc")),
+    "hy_v4": (_hy_v4, ("attn_hc", "ffn_hc")),
+    "qwen4_exp": (_qwen4_exp, ("mlp_hyper_connection",)),
+    "gemma3n": (_gemma3n, ("", "pre_feedforward_layernorm")),
+}
+
+
+@contextlib.contextmanager
+def _watching(layer, names):
+    """Record the first input of each named submodule, the layer's output and (Gemma 3n) the
+    block output AltUp's ``correct`` receives, on the next forward."""
+    seen = {}
+
+    def keep(name):
+        return lambda m, args, kwargs: seen.__setitem__(name, (args[0] if args else kwargs["hidden_states"]).clone())
+
+    handles = [layer.get_submodule(n).register_forward_pre_hook(keep(n), with_kwargs=True) for n in names]
+    handles.append(layer.register_forward_hook(
+        lambda m, a, out: seen.__setitem__("out", (out[0] if isinstance(out, tuple) else out).clone())))
+    altup = getattr(layer, "altup", None)
+    if altup is not None:
+        correct = altup.correct
+        altup.correct = lambda predictions, activated: seen.__setitem__("altup.correct", activated.clone()) or correct(
+            predictions, activated)
     try:
-        cache = run_with_cache(model, tokens, ["mlp_out.1", "attn_out.1"] + [f"resid_streams.1.{S}" for S in range(n)])
+        yield seen
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        if altup is not None:
+            del altup.correct
+
+
+@pytest.mark.parametrize("family", tiny_moe.STREAM_FAMILIES)
+def test_block_outputs_on_a_multi_stream_model(stream_model, family):
+    """attn_out / mlp_out are what each block writes before it is spread over the streams: the
+    streams the model formed equal the streams rebuilt from the captured values through the
+    layer's own mixing (e.g. DeepSeek-V4: stream k = post_k * mlp_out + sum_j comb[j, k] * stream_j
+    before the MoE block)."""
+    model = stream_model(family)
+    tokens = model.to_tokens(PROMPTS[0])
+    L = 1
+    rebuild, names = BLOCKS_INTO_STREAMS[family]
+    sites = ["mlp_out"] if family == "qwen4_exp" else ["attn_out", "mlp_out"]
+    layer = model.hf.model.layers[L]
+    with _watching(layer, names) as seen:
+        cache = run_with_cache(model, tokens, [f"{site}.{L}" for site in sites])
+    got = {site: cache.get(site, L) for site in sites}
+    checked = []
     with torch.no_grad():
-        post, comb, _ = layer.ffn_hc(mid[0])
-        expected = post.unsqueeze(-1) * cache.get("mlp_out", L).unsqueeze(-2) + comb.transpose(-1, -2) @ mid[0]
-    for S in range(n):
-        torch.testing.assert_close(cache.get("resid_streams", L, S), expected[:, :, S], rtol=1e-5, atol=1e-5)
-    assert cache.get("attn_out", L).shape == (1, tokens.shape[1], model.info.d_model)
+        for site, formed, rebuilt in rebuild(layer, seen, got.get("attn_out"), got["mlp_out"]):
+            assert got[site].shape == (1, tokens.shape[1], model.info.d_model)
+            torch.testing.assert_close(rebuilt, formed, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {site}: {m}")
+            checked.append(site)
+    assert checked == sites
 
 
 # -- bad inputs ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 from interp_engine import Address, AddressError, InputError, capture_generation, load_model, run_with_cache
 
+from . import sampling_checks
 from .probes import engine_state
 
 pytest.importorskip("vllm")
@@ -133,6 +134,13 @@ def test_sampling_with_a_seed_is_reproducible(model):
            for s in range(4)}
     assert len(hot | {tuple(greedy.token_ids)}) > 1  # the temperature is used
 
+
+
+@pytest.mark.parametrize("check", sampling_checks.PROPERTIES, ids=lambda check: check.__name__)
+def test_sampling(model, check):
+    """What temperature, top-k, top-p and seed mean, as on the eager backend
+    (tests/sampling_checks.py)."""
+    check(model)
 
 BAD_INPUTS = {
     "a batch": (lambda m: run_with_cache(m, m.tok.to_tokens(["Paris is in", "Berlin is in"]), POINTS),

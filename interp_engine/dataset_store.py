@@ -84,9 +84,10 @@ class Store:
         with self.fs.open_input_stream(self.key(name)) as f:
             return f.read()
 
-    def write(self, name: str, data: bytes) -> None:
-        """Publish ``data`` as ``name`` atomically (see the module docstring)."""
-        if self.fs.type_name not in _RENAMES:
+    def write(self, name: str, data: bytes, *, atomic: bool = True) -> None:
+        """Publish ``data`` as ``name`` atomically (see the module docstring); ``atomic=False``
+        writes it in place (a probe, whose own name already marks it temporary)."""
+        if not atomic or self.fs.type_name not in _RENAMES:
             with self.fs.open_output_stream(self.key(name)) as f:
                 f.write(data)
             return

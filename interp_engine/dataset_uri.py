@@ -81,7 +81,7 @@ def check_writable(store) -> None:
     name = temp_name("write-check")
     try:
         store.make_root()
-        store.write(name, b"interp_engine write check\n")
+        store.write(name, b"interp_engine write check\n", atomic=False)
         store.delete(name)
     except OSError as err:
         raise StorageError(f"cannot write to {store.location()!r} ({_reason(err)}): the destination is read-only "

@@ -20,7 +20,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "test_cluster", "test_cluster_configs", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",
         "test_security", "test_jobs", "test_docs")},
     "test_cluster_vllm": ("ray", "vllm"),
-    "test_hostile_model": ("ray", "vllm"),
+    "test_cancel": ("ray", "vllm"),
+    "test_dataset_speed": ("vllm",),
     "test_cluster_s3": ("ray", "s3"),
     # a local S3 server (moto_server)
     "test_dataset_s3": ("s3",),
@@ -29,6 +30,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_demo": ("ray", "slow"),
     "test_seed": ("slow",),
     "test_tutorial": ("slow",),
+    "test_gpu_check": ("slow",),
 }
 
 #: a parameter value that marks the one test case it selects

@@ -26,6 +26,13 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = R
     assert err <= rel, f"{what}: relative error {err:.3g} > {rel}"
 
 
+def assert_same(got: dict, want: dict) -> None:
+    """The same addresses in the same order, every tensor bit for bit (the same computation)."""
+    assert list(got) == list(want)
+    for address, tensor in want.items():
+        assert torch.equal(got[address], tensor), address
+
+
 def assert_caches_near(got, want, rel: float = REL_SAME) -> None:
     """Same addresses in the same order, same tokens and mask, every tensor within ``rel``."""
     assert list(got) == list(want)

@@ -110,10 +110,10 @@ def test_the_next_shard_is_captured_while_one_is_written(llama, tmp_path, monkey
     seen = []
     real_write = Store.write
 
-    def write(self, name, data):
+    def write(self, name, data, **options):
         if name.startswith("part-00000"):
             seen.append(captured_1.wait(60))
-        real_write(self, name, data)
+        real_write(self, name, data, **options)
 
     monkeypatch.setattr(writer, "capture_shard", capture)
     monkeypatch.setattr(Store, "write", write)

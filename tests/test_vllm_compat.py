@@ -36,6 +36,7 @@ def _load_adapter_with(version: str):
     fake.__version__ = version
     spec = importlib.util.spec_from_file_location("_vllm_compat_probe", ADAPTER)
     module = importlib.util.module_from_spec(spec)
+    module.__package__ = "interp_engine.backends"  # its relative imports (the errors) resolve as in the package
     saved = sys.modules.get("vllm")
     sys.modules["vllm"] = fake
     try:
@@ -115,7 +116,7 @@ def test_reads_on_an_engine_agree_with_the_hf_model(pair):
     from interp_engine.backends.vllm_loop import run_on_loop
 
     vllm, eager = pair
-    (geometry,) = run_on_loop(vllm._loop, "interp_geometry")
+    (geometry,) = run_on_loop(vllm._loop, "interp_geometry", vllm.arch.vllm_attention)
     assert geometry == {"heads": vllm.info.n_heads, "kv_heads": vllm.info.n_kv_heads, "head_size": vllm.info.d_head}
     hf_layer = eager.hf.get_submodule(eager.arch.layers)[1]
     torch.testing.assert_close(vllm.o_proj_weight(1), hf_layer.self_attn.o_proj.weight.detach(), rtol=0, atol=0)

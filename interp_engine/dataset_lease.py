@@ -146,10 +146,18 @@ def holder(store) -> dict | None:
 
 def _read(store, name: str):
     """A lease file's record; ``{}`` if it cannot be read as one, ``None`` if it is gone."""
-    try:
-        data = store.read(name)
-    except FileNotFoundError:
-        return None
+    for attempt in range(3):
+        try:
+            data = store.read(name)
+            break
+        except FileNotFoundError:
+            return None
+        except OSError:  # an object store's read of an object deleted meanwhile can fail mid-stream
+            if store.size(name) is None:
+                return None
+            if attempt == 2:
+                raise
+            time.sleep(0.05)
     try:
         record = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):

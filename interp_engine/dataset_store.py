@@ -66,8 +66,13 @@ class Store:
     def list(self) -> dict[str, int]:
         """Every file directly under the root, with its size in bytes."""
         selector = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
-        return {info.base_name: info.size for info in self.fs.get_file_info(selector)
-                if info.type == pafs.FileType.File}
+        try:
+            infos = self.fs.get_file_info(selector)
+        except FileNotFoundError:
+            # pyarrow found no folder, then saw one when it checked why: another build made it
+            # in between (builds race to an empty output); now it is there to list
+            infos = self.fs.get_file_info(selector)
+        return {info.base_name: info.size for info in infos if info.type == pafs.FileType.File}
 
     def size(self, name: str) -> int | None:
         info = self.fs.get_file_info(self.key(name))

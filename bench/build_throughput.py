@@ -65,6 +65,16 @@ def builder(model, texts, points, work: Path, record: dict):
     return run
 
 
+def plain_prefill(model, texts):
+    """(a call of the vLLM engine's own ``generate(max_tokens=1)`` on ``texts``, their token count):
+    the plain prefill a build is measured against."""
+    from vllm import SamplingParams
+
+    rows = [{"prompt_token_ids": model.tok.encode(t)} for t in texts]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    return (lambda: model.llm.generate(rows, params, use_tqdm=False)), sum(len(r["prompt_token_ids"]) for r in rows)
+
+
 def report(name: str, wall, cpu, tokens: int, base: str, phases: dict | None = None) -> dict:
     out = {"tokens": tokens, "tokens_per_s": {k: tokens / median(v) for k, v in wall.items()},
            "median_s": {k: median(v) for k, v in wall.items()}, "cpu_median_s": {k: median(v) for k, v in cpu.items()},
@@ -77,19 +87,12 @@ def report(name: str, wall, cpu, tokens: int, base: str, phases: dict | None = N
 
 
 def part_vllm(args, texts, work) -> dict:
-    from vllm import SamplingParams
-
     from interp_engine import load_model
 
     model = load_model(SMOL, backend="vllm")
-    rows = [{"prompt_token_ids": model.tok.encode(t)} for t in texts]
-    tokens = sum(len(r["prompt_token_ids"]) for r in rows)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    plain, tokens = plain_prefill(model, texts)
     point = [f"resid_post.{args.layer}"]
     record: dict = {}
-
-    def plain():
-        return model.llm.generate(rows, params, use_tqdm=False)
 
     def plain_short():  # the engine idle between calls: its loop thread touches nothing meanwhile
         model.llm.llm_engine.collective_rpc("interp_set_depth", args=(args.layer + 1,))
@@ -166,20 +169,18 @@ def part_eager(args, texts, work) -> dict:
 
 def part_cluster(args, texts, work) -> dict:
     import ray
-    from vllm import SamplingParams
 
     from interp_engine import load_model
+    from interp_engine.loopback import start_local_ray
 
-    ray.init(num_cpus=2, log_to_driver=False)
+    start_local_ray(num_cpus=2)  # loopback only, token auth: the library's own local Ray
     try:
         cluster = load_model(SMOL, backend="vllm", replicas=1, cpus_per_replica=1)
         local = load_model(SMOL, backend="vllm")
-        rows = [{"prompt_token_ids": local.tok.encode(t)} for t in texts]
-        tokens = sum(len(r["prompt_token_ids"]) for r in rows)
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        plain, tokens = plain_prefill(local, texts)
         point = [f"resid_post.{args.layer}"]
         record: dict = {}
-        runs = {"plain": lambda: local.llm.generate(rows, params, use_tqdm=False),
+        runs = {"plain": plain,
                 "local_build": builder(local, texts, point, work, {}),
                 "cluster_build": builder(cluster, texts, point, work, record)}
         wall, cpu = alternate(runs, args.reps, 1)

@@ -54,10 +54,15 @@ LOADERS: dict[str, str] = {
 }
 
 
+def check_backend(name: str) -> None:
+    """A ``ValueError`` that lists the registered backends unless ``name`` is one (nothing imported)."""
+    if not isinstance(name, str) or name not in LOADERS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(LOADERS)}")
+
+
 def backend_class(name: str):
     """The model class registered as ``backend=name`` (imported now); an unknown name is a
     ``ValueError`` that lists the registered ones."""
-    if not isinstance(name, str) or name not in LOADERS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(LOADERS)}")
+    check_backend(name)
     module, cls = LOADERS[name].split(":")
     return getattr(importlib.import_module(module), cls)

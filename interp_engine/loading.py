@@ -10,6 +10,7 @@ never downloads.
 from __future__ import annotations
 
 from . import embedded
+from .capabilities import check_backend
 from .local import BACKENDS, load_local, resolve
 from .model import CaptureModel
 
@@ -32,8 +33,7 @@ def load_model(
     engine: fast prefill and generation, ``tensor_parallel_size``, ``max_model_len``).
     ``replicas=N`` serves the model from N replicas on a Ray cluster with the same calls.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_backend(backend)  # by name: a cluster load never imports the backend on the driver
     if replicas is not None:
         from .cluster import load_cluster_model
 

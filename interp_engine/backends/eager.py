@@ -18,10 +18,10 @@ from ..archs import arch_for, model_info, unserved_sites
 from ..cache import Cache
 from ..capabilities import Capabilities
 from ..dtypes import dtype_name
+from ..errors import InputError
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import held_positions
 from ..tokens import Tokenizer, fed_tokens
-from ..errors import InputError
 from . import attention
 from .recorder import Recorder, StopForward
 from .sampling import sample_next

@@ -40,6 +40,8 @@ class Capabilities:
     takes_device: bool = True
     #: sites this model cannot read exactly (they get a clear error instead)
     unserved: frozenset[str] = frozenset()
+    #: sparse dictionaries (``saes=``) run where this backend makes the activations
+    features: bool = False
 
     def serving(self, unserved) -> "Capabilities":
         """These capabilities for a model that cannot read the sites ``unserved``."""

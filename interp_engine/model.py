@@ -17,6 +17,8 @@ from .address import Address, AddressLike, ModelInfo, all_points, check_points
 from .cache import Cache
 from .capabilities import Capabilities
 from .edits import Planned, check_edits
+from .errors import InputError
+from .features.plan import plan_features, split_edits
 from .generation import Completion as Completion
 from .generation import Sampling as Sampling
 from .positions import Selection, check_spec, resolve
@@ -156,36 +158,52 @@ class CaptureModel:
         return check_edits(edits, self.info, self.capabilities, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
 
-    # -- the calls ------------------------------------------------------------------------------
-    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
-        tokens, addresses = self.check(tokens, points)
-        return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
-                         edits=self._edits(edits, tokens))
+    def _request(self, tokens, addresses, edits, saes, positions, options: Sampling | None = None) -> dict:
+        """The checked keywords of a backend call: ``positions``, ``edits`` and, where the call
+        attaches dictionaries that have work (``saes=``), ``features`` (a FeaturePlan; see
+        interp_engine.features). Feature points leave ``addresses`` for the plan."""
+        plain, feature_edits = split_edits(edits)
+        writable = frozenset(s for s in self.capabilities.writable if s not in self.capabilities.unserved)
+        addresses[:], plan = plan_features(addresses, feature_edits, saes, self.info, tokens, writable=writable,
+                                           generating=options is not None,
+                                           max_tokens=options.max_tokens if options else None)
+        out = {"positions": self._selection(tokens, positions, options), "edits": self._edits(plain, tokens, options)}
+        if plan is not None:
+            if not self.capabilities.features:
+                raise InputError(f"dictionaries (saes=) do not run on the {self.backend} backend yet; load the model "
+                                 f"with backend='eager'")
+            out["features"] = plan
+        return out
 
-    def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
+    # -- the calls ------------------------------------------------------------------------------
+    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None,
+                       saes=None) -> Cache:
+        tokens, addresses = self.check(tokens, points)
+        return self._run(tokens, addresses, detach=detach, **self._request(tokens, addresses, edits, saes, positions))
+
+    def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None, saes=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
         batches requests itself (vLLM) keeps them all in flight at once; this default runs them
         one after another."""
-        return [self.run_with_cache(row, points, positions=positions, edits=edits) for row in rows]
+        return [self.run_with_cache(row, points, positions=positions, edits=edits, saes=saes) for row in rows]
 
-    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
+    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None, saes=None,
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
-        return self._generate(tokens, addresses, options, positions=self._selection(tokens, positions, options),
-                              edits=self._edits(edits, tokens, options))
+        return self._generate(tokens, addresses, options,
+                              **self._request(tokens, addresses, edits, saes, positions, options))
 
     async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
-                                       edits=None, **sampling) -> tuple[Completion, Cache]:
+                                       edits=None, saes=None, **sampling) -> tuple[Completion, Cache]:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
         return await self._generate_async(tokens, addresses, options,
-                                          positions=self._selection(tokens, positions, options),
-                                          edits=self._edits(edits, tokens, options))
+                                          **self._request(tokens, addresses, edits, saes, positions, options))
 
-    async def capture(self, tokens, points, *, positions=None, edits=None,
+    async def capture(self, tokens, points, *, positions=None, edits=None, saes=None,
                       **sampling) -> dict[Address, torch.Tensor]:
         """Async capture of one prompt: a plain dict keyed by Address (a string is a KeyError).
 
@@ -199,8 +217,8 @@ class CaptureModel:
             tokens, addresses = self.check(tokens, points, single=True, call="await model.capture(...)")
         else:
             tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
-        return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options),
-                                   edits=self._edits(edits, tokens, options))
+        return await self._capture(tokens, addresses, options,
+                                   **self._request(tokens, addresses, edits, saes, positions, options))
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""
@@ -228,12 +246,14 @@ class CaptureModel:
         raise NotImplementedError
 
     async def _generate_async(self, tokens, addresses, options: Sampling, *,
-                              positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
-        return await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions, edits=edits)
+                              positions: Selection | None = None, edits: dict | None = None,
+                              **features) -> tuple[Completion, Cache]:
+        return await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions, edits=edits,
+                                      **features)
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,
-                   positions=None, edits=None) -> Cache:
+                   positions=None, edits=None, saes=None) -> Cache:
     """Run ``tokens`` through ``model`` and return the activations at ``points`` as a Cache.
 
     ``points`` holds Addresses, their string forms (``"resid_post.10"``), tuples, whole sites
@@ -241,12 +261,15 @@ def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, de
     keeps only some positions (``-1``: each row's last token; see :mod:`.positions`). With
     ``detach=False`` (eager, ``load_model(..., requires_grad=True)``) the tensors keep their graph.
     ``edits`` writes to activations on the way (``{"resid_post.3": Add(vector)}``; see :mod:`.edits`).
+    ``saes`` attaches sparse dictionaries to this call: their feature points
+    (``"resid_post.3.features"``, ``"resid_post.3.sae_error"``) may then be captured and edited
+    (see :mod:`interp_engine.features`).
     """
-    return model.run_with_cache(tokens, points, detach=detach, positions=positions, edits=edits)
+    return model.run_with_cache(tokens, points, detach=detach, positions=positions, edits=edits, saes=saes)
 
 
 def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int = 16, positions=None,
-                       edits=None, **sampling: Any):
+                       edits=None, saes=None, **sampling: Any):
     """Generate from one prompt and capture ``points`` at every prompt and generated position.
 
     Returns ``(completion, cache)``. The cache has ``len(prompt) + len(generated) - 1``
@@ -255,4 +278,4 @@ def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int =
     ``edits`` applies at every forward of the generation (prefill and each decode step).
     """
     return model.capture_generation(tokens, points, max_tokens=max_tokens, positions=positions, edits=edits,
-                                    **sampling)
+                                    saes=saes, **sampling)

@@ -19,6 +19,7 @@ from ..cache import Cache
 from ..capabilities import Capabilities
 from ..dtypes import dtype_name
 from ..errors import InputError
+from ..features.run import FeatureRun, Placed
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import held_positions
 from ..tokens import Tokenizer, fed_tokens
@@ -39,7 +40,7 @@ class EagerModel(CaptureModel):
         "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v", "pattern", "resid_streams"}),
-        function_edits=True, whole_value_edits=True, takes_device=True)
+        function_edits=True, whole_value_edits=True, takes_device=True, features=True)
 
     @classmethod
     def capabilities_for(cls, hf_config) -> Capabilities:
@@ -69,6 +70,7 @@ class EagerModel(CaptureModel):
         self.requires_grad = requires_grad
         self.hf.requires_grad_(requires_grad)
         self._lock = threading.Lock()
+        self._dictionaries = Placed()
         wrapped = attention.EAGER if attention.implementation(self.hf) == "eager" else attention.SDPA
         attention.set_implementation(self.hf, wrapped)
 
@@ -116,17 +118,25 @@ class EagerModel(CaptureModel):
             )
         return contextlib.nullcontext()
 
-    def _recorder(self, addresses, *, detach, stop_early, positions=None, edits=None):
-        return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
-                        positions=positions, edits=edits)
+    def _recorder(self, addresses, *, detach, stop_early, positions=None, edits=None, features=None):
+        """The hooks of one call; a call with dictionaries (``features``, a FeaturePlan) runs each
+        inside the hook of its site, and its feature points are recorded beside the addresses."""
+        if features is None:
+            return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
+                            positions=positions, edits=edits)
+        run = FeatureRun(features, self.device, place=self._dictionaries)
+        recorder = Recorder(self.hf, self.arch, self.info, [*addresses, *features.points], detach=detach,
+                            stop_early=stop_early, positions=positions, edits=run.edits(edits))
+        run.sink = recorder.keep
+        return recorder
 
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
+    def _run(self, tokens, addresses, *, detach, positions=None, edits=None, features=None):
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
         with self._lock, self._grad_context(detach):
             cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs
             with self._recorder(addresses, detach=detach, stop_early=not want_logits,
-                                positions=positions, edits=edits) as recorder:
+                                positions=positions, edits=edits, features=features) as recorder:
                 try:
                     out = self.hf(
                         input_ids=tokens.clamp(min=0).to(self.device),
@@ -145,7 +155,7 @@ class EagerModel(CaptureModel):
             recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
         return Cache(recorded, tokens, mask, self.name, self.backend)
 
-    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
+    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None, features=None):
         from transformers import DynamicCache
 
         generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
@@ -155,7 +165,7 @@ class EagerModel(CaptureModel):
         step_ids = tokens.to(self.device)
         with self._lock, torch.no_grad():
             with self._recorder(addresses, detach=True, stop_early=False, positions=positions,
-                                edits=edits) as recorder:
+                                edits=edits, features=features) as recorder:
                 for step in range(options.max_tokens):
                     cancel.checkpoint(f"after {step} of {options.max_tokens} decode steps")
                     start = recorder.start = past.get_seq_length()
@@ -175,13 +185,13 @@ class EagerModel(CaptureModel):
         held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
         return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)
 
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
+    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None, features=None):
         if options is None:
             cache = await cancel.in_thread(self._run, tokens, addresses, detach=True, positions=positions,
-                                           edits=edits)
+                                           edits=edits, features=features)
         else:
             _, cache = await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions,
-                                              edits=edits)
+                                              edits=edits, features=features)
         return cache.to_dict()
 
     def close(self):

@@ -23,7 +23,7 @@ from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import chunk_bounds, join_rows
 from interp_engine.errors import InternalError, user_error
-from interp_engine.dataset_shard import ShardSpec, ShardStats
+from interp_engine.dataset.shard import ShardSpec, ShardStats
 from interp_engine.tokens import unpad
 
 from .replica import ray_task_cancelled

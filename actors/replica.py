@@ -19,8 +19,8 @@ import torch
 from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import run_padded
-from interp_engine.dataset_shard import ShardSpec, ShardStats
-from interp_engine.dataset_writer import MAX_WRITERS, ShardWriter
+from interp_engine.dataset.shard import ShardSpec, ShardStats
+from interp_engine.dataset.writer import MAX_WRITERS, ShardWriter
 from interp_engine.dtypes import Packed
 from interp_engine.edits_wire import from_plain
 from interp_engine.model import CaptureModel
@@ -72,7 +72,7 @@ class ReplicaCore:
         #: bytes of the activations this replica has returned (what crosses to the coordinator)
         self.bytes_returned = 0
         #: dataset shards are written on threads beside the capture of the next
-        #: (:mod:`interp_engine.dataset_writer`); the eager backend runs one forward at a time
+        #: (:mod:`interp_engine.dataset.writer`); the eager backend runs one forward at a time
         #: (its own lock), a vLLM engine batches concurrent calls itself
         self.shards = ShardWriter(self.model)
 

@@ -180,7 +180,7 @@ def test_edits_reach_the_worker_as_tensors(models, monkeypatch):
     """An edit's vector travels to the vLLM worker as a tensor (vLLM's collective_rpc carries it
     as a buffer), never as a Python list; the worker refuses a list as an internal error."""
     from interp_engine import Add, Set, run_with_cache
-    from interp_engine.backends import vllm_edits
+    from interp_engine.backends.vllm.worker import edits as vllm_edits
     from interp_engine.edits_wire import from_wire
 
     vllm_model, _ = models

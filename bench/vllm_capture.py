@@ -93,7 +93,7 @@ def plain_loop(model, batch, new_tokens):
     from interp_engine.model import Sampling
 
     params = _sampling_params(Sampling(max_tokens=new_tokens, stop_at_eos=False))
-    futures = [model._loop.submit(Job(t[0].tolist(), params, [])) for t in batch]
+    futures = [model._loop.submit(Job(t[0].tolist(), params)) for t in batch]
     assert all(len(f.result().output.outputs[0].token_ids) == new_tokens for f in futures)
 
 

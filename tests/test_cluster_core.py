@@ -11,9 +11,8 @@ from interp_engine.actors.coordinator import CoordinatorCore
 from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
 from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard
 from interp_engine.errors import ClusterError, ShardFailed
-from interp_engine.actors.wire import unpack_dict
 from interp_engine.cluster.model import check_capacity
-from interp_engine.dtypes import Packed
+from interp_engine.wire import Packed, unpack_dict
 
 POINTS = ["resid_post.1", "z.0", "mlp_post.2", "logits"]
 

@@ -21,7 +21,7 @@ from ..address import Address
 from ..cache import Cache
 from ..errors import ClusterError, InputError, ShardFailed, user_error
 from ..dtypes import dtype_name
-from ..edits_wire import to_plain
+from ..wire import edits_for_replica, unpack_dict
 from ..capabilities import backend_class
 from ..model import CaptureModel, Completion, Sampling
 from .placement import check_capacity as check_capacity
@@ -201,21 +201,19 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
     # The positions spec travels as given (it was checked against these tokens here): each
     # replica resolves it against its own rows and keeps only those rows, so nothing else crosses.
     def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
-        from ..actors.wire import unpack_dict
 
         if not detach:
             raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
         captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses), _spec(positions),
-                                                          to_plain(edits)))
+                                                          edits_for_replica(edits)))
         return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
 
     def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
-        from ..actors.wire import unpack_dict
 
         generated = self._get(self._coordinator.generate.remote(tokens.numpy(), self._points(addresses),
                                                                 dataclasses.asdict(options), _spec(positions),
-                                                                to_plain(edits)))
+                                                                edits_for_replica(edits)))
         return self._completion(generated, unpack_dict)
 
     def _completion(self, generated, unpack_dict):
@@ -226,22 +224,20 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
 
     async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        from ..actors.wire import unpack_dict
 
         points = self._points(addresses)
         if options is None:
-            ref = self._coordinator.run.remote(tokens.numpy(), points, _spec(positions), to_plain(edits))
+            ref = self._coordinator.run.remote(tokens.numpy(), points, _spec(positions), edits_for_replica(edits))
         else:
             ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options),
-                                                    _spec(positions), to_plain(edits))
+                                                    _spec(positions), edits_for_replica(edits))
         result = await self._await(ref)
         return unpack_dict(result.tensors)
 
     async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
-        from ..actors.wire import unpack_dict
 
         ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options),
-                                                _spec(positions), to_plain(edits))
+                                                _spec(positions), edits_for_replica(edits))
         generated = await self._await(ref)
         return self._completion(generated, unpack_dict)
 

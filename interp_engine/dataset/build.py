@@ -29,7 +29,8 @@ from .shard import BATCH_TOKENS, DTYPES, LAYOUTS, ShardSpec, ShardStats, shard_n
 from .store import Store
 from .writer import MAX_WRITERS, ShardWriter, write_shards
 from .uri import check_access, check_writable
-from ..positions import check_prompt, check_spec, resolve_row, spec_to_json, width_bound
+from ..positions import check_prompt, check_spec, resolve_row, width_bound
+from ..wire import spec_to_json
 from ..protocol import WritesShards
 from ..errors import InputError, InternalError
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from interp_engine.errors import EngineStopped
+from interp_engine.wire import WorkerRequest
 
 
 #: An idle engine that receives a job keeps admitting for as long as more jobs follow within
@@ -54,11 +55,8 @@ BURST_LIMIT = 0.1
 class Job:
     prompt: list[int]
     params: Any  # vllm.SamplingParams
-    points: list[str]
-    #: ``{"positions": [...], "after": n}``: keep only those rows (None: every row)
-    positions: dict | None = None
-    #: ``{address: edit as plain data}`` (edits_wire.wire): applied to this request's rows only
-    edits: dict | None = None
+    #: what the workers record and edit for this request (points, positions, edits)
+    request: WorkerRequest = WorkerRequest()
     #: how many layers this job needs (a prefill whose deepest point is in layer ``layers - 1``);
     #: None: every layer and the logits
     layers: int | None = None
@@ -208,8 +206,8 @@ class EngineLoop:
             _resolve(job.future, error=err)
             return
         self._jobs[external] = job
-        if job.points or job.edits:  # a job with neither is plain generation: nothing to register
-            new[job.internal_id] = {"points": job.points, **(job.positions or {}), "edits": job.edits}
+        if not job.request.empty:  # plain generation: nothing to register
+            new[job.internal_id] = job.request.to_rpc()
 
     def _register(self, new: dict[str, dict]) -> None:
         if new:
@@ -228,7 +226,7 @@ class EngineLoop:
         if not outputs:
             return
         jobs = [self._jobs.pop(o.request_id) for o in outputs]
-        taken = [job.internal_id for job in jobs if job.points or job.edits]
+        taken = [job.internal_id for job in jobs if not job.request.empty]
         ranks = self.engine.collective_rpc("interp_take", args=(taken,)) if taken else []
         for output, job in zip(outputs, jobs):
             _resolve(job.future, Finished(output, [rank.get(job.internal_id, {}) for rank in ranks]))

@@ -34,12 +34,12 @@ from interp_engine.address import Address
 from interp_engine.archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
-from interp_engine.edits_wire import wire as edit_wire
 from interp_engine.model import CaptureModel, Completion, Sampling
 from interp_engine.positions import Selection, held_positions
 from interp_engine.tokens import Tokenizer, fed_tokens
 from interp_engine.errors import InputError, InternalError
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
+from interp_engine.wire import WorkerRequest, edit_for_worker
 from ..heads import split_heads
 from .engine import engine_options, memory_defaults, start_engine, stop_engine
 from .loop import EngineLoop, Finished, Job, run_on_loop
@@ -153,8 +153,11 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 positions: Selection | None, edits: dict | None = None):
         wire = sorted({str(self._read_as(a)) for a in addresses})
         layers = self._depth(addresses, edits) if options is None and self.shortens else None
-        edits = {str(a): edit_wire(planned) for a, planned in edits.items()} if edits else None
-        job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire(), edits, layers)
+        request = WorkerRequest(
+            tuple(wire), None if positions is None else tuple(positions.rows[0]),
+            None if positions is None else positions.after[0],
+            {str(a): edit_for_worker(planned) for a, planned in edits.items()} if edits else None)
+        job = Job(tokens[0].tolist(), _sampling_params(options), request, layers)
         return self._loop.submit(job)
 
     def _depth(self, addresses: list[Address], edits: dict | None) -> int | None:

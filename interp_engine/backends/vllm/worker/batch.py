@@ -19,6 +19,7 @@ import torch
 
 from interp_engine.address import Address, parse_address
 from .rows import RowStore
+from interp_engine.wire import WorkerRequest
 
 
 class BatchRows:
@@ -45,14 +46,13 @@ class BatchRows:
     def addresses(self) -> set[Address]:
         return set().union(*self.wanted.values()) if self.wanted else set()
 
-    def register(self, rid: str, want: list[str] | dict) -> None:
-        points = want["points"] if isinstance(want, dict) else want
-        wanted = frozenset(parse_address(p) for p in points)
+    def register(self, rid: str, request: WorkerRequest) -> None:
+        wanted = frozenset(parse_address(p) for p in request.points)
         # one object per distinct set: forwards compare the sets of their requests by identity
         self.wanted[rid] = self._sets.setdefault(wanted, wanted)
         self.rows.open(rid)
-        if isinstance(want, dict) and want.get("positions") is not None:
-            self.filters[rid] = (torch.tensor(want["positions"], dtype=torch.long), want.get("after"))
+        if request.positions is not None:
+            self.filters[rid] = (torch.tensor(request.positions, dtype=torch.long), request.after)
 
     def forget(self, rid: str) -> None:
         self.wanted.pop(rid, None)

@@ -1,6 +1,6 @@
 """Edits inside a vLLM worker: each request's own edits, applied to its own rows of the flat batch.
 
-A request is registered with its edits as plain data (:func:`interp_engine.edits_wire.wire`: kind,
+A request is registered with its edits as plain data (:func:`interp_engine.wire.edit_for_worker`: kind,
 numbers, lists; no code crosses). In each forward the recorder's row map says which rows of the
 flat batch are which request's positions; an edit changes only the rows of the requests that
 carry it, at the positions they asked for, so requests without edits that share the batch run
@@ -29,7 +29,7 @@ import torch
 
 from interp_engine.address import Address, parse_address
 from interp_engine.edits import Add, Set, apply_edit
-from interp_engine.edits_wire import from_wire
+from interp_engine.wire import edit_from_worker
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
@@ -77,7 +77,7 @@ class EditBook:
             if key not in self._shared:
                 positions = data.get("positions")
                 wanted = None if positions is None else torch.tensor(positions, dtype=torch.long)
-                self._shared[key] = _Entry(from_wire(data), wanted, data.get("after"), key)
+                self._shared[key] = _Entry(edit_from_worker(data), wanted, data.get("after"), key)
             entry = self._shared[key]
             entry.holders += 1
             book[parse_address(point)] = entry

@@ -18,6 +18,7 @@ from .. import compat as vllm_compat
 from .hooks import WorkerRecorder
 from .kv_guard import KvBlockGuard
 from interp_engine.errors import InternalError
+from interp_engine.wire import WorkerRequest
 
 
 class CaptureExtension:
@@ -59,7 +60,8 @@ class CaptureExtension:
         vllm_compat.set_layer_end(self._interp_recorder().stack, full if layers is None else min(layers, full))
 
     def interp_register(self, requests: dict) -> None:
-        self._interp_recorder().register(requests)
+        """``{request id: WorkerRequest.to_rpc()}``, read back into typed requests here."""
+        self._interp_recorder().register({rid: WorkerRequest.from_rpc(data) for rid, data in requests.items()})
 
     def interp_take(self, request_ids: list[str]) -> dict:
         return self._interp_recorder().take(request_ids)

@@ -30,6 +30,7 @@ from .. import compat as vllm_compat
 from . import moe as vllm_moe
 from .batch import BatchRows
 from .edits import EditBook
+from interp_engine.wire import WorkerRequest
 
 
 class WorkerRecorder:
@@ -69,14 +70,13 @@ class WorkerRecorder:
         return self.requests.batch
 
     # -- registry -------------------------------------------------------------------------------
-    def register(self, requests: dict[str, list[str] | dict]) -> None:
-        """``{request id: ["resid_post.3", ...]}`` or ``{request id: {"points": [...], "positions":
-        [0, 5], "after": 6}}`` (keep prompt positions 0 and 5 and every position from 6 on):
-        record these rows from now on."""
-        for rid, want in requests.items():
-            self.requests.register(rid, want)
-            if isinstance(want, dict) and want.get("edits"):
-                self.editor.register(rid, want["edits"])
+    def register(self, requests: dict[str, WorkerRequest]) -> None:
+        """``{request id: WorkerRequest}``: record (and edit) these requests' rows from now on
+        (only the positions a request keeps, when it names some)."""
+        for rid, request in requests.items():
+            self.requests.register(rid, request)
+            if request.edits:
+                self.editor.register(rid, request.edits)
         self._rehook()
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:

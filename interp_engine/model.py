@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from . import cancel
-from .address import Address, AddressLike, ModelInfo, all_points, check_points
+from .address import Address, AddressLike, ModelInfo, all_points
 from .cache import Cache
 from .capabilities import Capabilities
 from .edits import Planned, check_edits
 from .generation import Completion as Completion
 from .generation import Sampling as Sampling
 from .positions import Selection, check_spec, resolve
+from .request import Points, Request
 from .tokens import Tokenizer, check_tokens
 
 
@@ -117,8 +118,12 @@ class CaptureModel:
         single = (not self.batched) if single is None else single
         tokens = check_tokens(tokens, self.info.d_vocab, self.info.n_ctx, single=single,
                               why=self._one_prompt(call, tokens) if single else "")
-        addresses = check_points(points, self.info, self.capabilities)
-        return tokens, addresses
+        return tokens, list(self.check_points(points))
+
+    def check_points(self, points) -> Points:
+        """``points`` checked against this model, once: pass the result as ``points`` to any call
+        and it is not checked again (see :mod:`.request`)."""
+        return Points.check(points, self.info, self.capabilities)
 
     def position_limit(self) -> tuple[int, str]:
         """How many positions a sequence (prompt + generated) may fill, and how to name that limit."""
@@ -156,34 +161,49 @@ class CaptureModel:
         return check_edits(edits, self.info, self.capabilities, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
 
+    def request(self, tokens, points, *, positions=None, edits=None, options: Sampling | None = None,
+                detach: bool = True, single: bool | None = None, call: str = "run_with_cache") -> Request:
+        """Everything a call asks for, checked against this model once (see :mod:`.request`)."""
+        if options is None:
+            tokens, addresses = self.check(tokens, points, single=single, call=call)
+        else:
+            tokens, addresses = self._check_generation(tokens, points, options, call)
+        return Request(tokens, Points(addresses), self._selection(tokens, positions, options),
+                       self._edits(edits, tokens, options), options, detach)
+
+    def execute(self, request: Request):
+        """Run a checked request: a :class:`Cache`, or ``(completion, cache)`` when it generates."""
+        if request.options is None:
+            return self._run(request.tokens, list(request.points), detach=request.detach,
+                             positions=request.positions, edits=request.edits)
+        return self._generate(request.tokens, list(request.points), request.options,
+                              positions=request.positions, edits=request.edits)
+
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
-        tokens, addresses = self.check(tokens, points)
-        return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
-                         edits=self._edits(edits, tokens))
+        return self.execute(self.request(tokens, points, positions=positions, edits=edits, detach=detach))
 
     def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
         batches requests itself (vLLM) keeps them all in flight at once; this default runs them
-        one after another."""
+        one after another (the points checked once for all rows)."""
+        points = self.check_points(points)
         return [self.run_with_cache(row, points, positions=positions, edits=edits) for row in rows]
 
     def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
-        tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
-        return self._generate(tokens, addresses, options, positions=self._selection(tokens, positions, options),
-                              edits=self._edits(edits, tokens, options))
+        return self.execute(self.request(tokens, points, positions=positions, edits=edits, options=options,
+                                         call="capture_generation"))
 
     async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
                                        edits=None, **sampling) -> tuple[Completion, Cache]:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
-        tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
-        return await self._generate_async(tokens, addresses, options,
-                                          positions=self._selection(tokens, positions, options),
-                                          edits=self._edits(edits, tokens, options))
+        r = self.request(tokens, points, positions=positions, edits=edits, options=options,
+                         call="capture_generation_async")
+        return await self._generate_async(r.tokens, list(r.points), options, positions=r.positions, edits=r.edits)
 
     async def capture(self, tokens, points, *, positions=None, edits=None,
                       **sampling) -> dict[Address, torch.Tensor]:
@@ -195,12 +215,9 @@ class CaptureModel:
         ``edits=`` applies to this request only, even while others share its batch.
         """
         options = Sampling.from_options(sampling) if sampling else None
-        if options is None:
-            tokens, addresses = self.check(tokens, points, single=True, call="await model.capture(...)")
-        else:
-            tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
-        return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options),
-                                   edits=self._edits(edits, tokens, options))
+        r = self.request(tokens, points, positions=positions, edits=edits, options=options, single=True,
+                         call="await model.capture(...)")
+        return await self._capture(r.tokens, list(r.points), options, positions=r.positions, edits=r.edits)
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""

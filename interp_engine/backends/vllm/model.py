@@ -181,15 +181,14 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def run_many(self, rows, points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
         batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
-        Each row is checked first: a bad one fails the call before any is submitted."""
-        calls = []
-        for row in rows:
-            tokens, addresses = self.check(row, points)
-            calls.append((tokens, addresses, self._selection(tokens, positions), self._edits(edits, tokens)))
-        futures = [self._submit(tokens, addresses, None, held, planned) for tokens, addresses, held, planned in calls]
+        Each row is checked first: a bad one fails the call before any is submitted (the points
+        once for all rows)."""
+        points = self.check_points(points)
+        calls = [self.request(row, points, positions=positions, edits=edits) for row in rows]
+        futures = [self._submit(r.tokens, list(r.points), None, r.positions, r.edits) for r in calls]
         try:
-            return [self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1])
-                    for future, (tokens, addresses, held, _) in zip(futures, calls)]
+            return [self._cache(cancel.wait(future), r.tokens, list(r.points), r.positions, r.tokens.shape[1])
+                    for future, r in zip(futures, calls)]
         except BaseException:
             for future in futures:  # the engine loop aborts each cancelled request
                 future.cancel()

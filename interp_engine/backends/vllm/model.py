@@ -12,7 +12,7 @@ Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``
 attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
 ``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``); on MoE families
 ``router_logits`` and, where the router's selection is read from the call that hands it to the
-expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.worker.moe`, docs/MOE.md). ``pattern`` is never formed
+expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.worker.experts`, docs/MOE.md). ``pattern`` is never formed
 by vLLM's fused attention, and vLLM builds no autograd graph: both are clear errors.
 
 A prefill-only capture (``run_with_cache``, ``model.capture`` without ``max_tokens``) runs only

@@ -28,8 +28,10 @@ class CaptureModel:
     """A loaded model that captures activations. Backends subclass it.
 
     Subclasses declare their :class:`~.capabilities.Capabilities` (narrowed per model to the sites
-    it cannot read), set ``info`` and ``tok``, and implement ``_run``, ``_generate`` and
-    ``_capture``; this class validates what users pass in, so every backend gives the same errors.
+    it cannot read), set ``info`` and ``tok``, and implement :meth:`_execute` (and, when it can
+    wait without a thread, :meth:`_execute_async`): this class checks what users pass in once,
+    into a :class:`~.request.Request`, so every backend gives the same errors and runs only
+    checked requests.
     The contract as a whole, and the optional capabilities (unembedding, o_proj weights, writing
     dataset shards), is written down in :mod:`.protocol`.
     """
@@ -173,11 +175,7 @@ class CaptureModel:
 
     def execute(self, request: Request):
         """Run a checked request: a :class:`Cache`, or ``(completion, cache)`` when it generates."""
-        if request.options is None:
-            return self._run(request.tokens, list(request.points), detach=request.detach,
-                             positions=request.positions, edits=request.edits)
-        return self._generate(request.tokens, list(request.points), request.options,
-                              positions=request.positions, edits=request.edits)
+        return self._execute(request)
 
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
@@ -201,9 +199,8 @@ class CaptureModel:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
-        r = self.request(tokens, points, positions=positions, edits=edits, options=options,
-                         call="capture_generation_async")
-        return await self._generate_async(r.tokens, list(r.points), options, positions=r.positions, edits=r.edits)
+        return await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
+                                                      options=options, call="capture_generation_async"))
 
     async def capture(self, tokens, points, *, positions=None, edits=None,
                       **sampling) -> dict[Address, torch.Tensor]:
@@ -215,9 +212,9 @@ class CaptureModel:
         ``edits=`` applies to this request only, even while others share its batch.
         """
         options = Sampling.from_options(sampling) if sampling else None
-        r = self.request(tokens, points, positions=positions, edits=edits, options=options, single=True,
-                         call="await model.capture(...)")
-        return await self._capture(r.tokens, list(r.points), options, positions=r.positions, edits=r.edits)
+        result = await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
+                                                        options=options, single=True, call="await model.capture(...)"))
+        return (result if options is None else result[1]).to_dict()
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""
@@ -229,24 +226,17 @@ class CaptureModel:
         self.close()
 
     # -- what a backend implements --------------------------------------------------------------
-    # ``positions`` is None (every position) or a Selection resolved against ``tokens``; the
-    # backend applies it where each activation is produced. ``edits`` is None or the checked
-    # edits (edits.Planned by address); the backend applies each where its activation is produced.
-    def _run(self, tokens: torch.Tensor, addresses: list[Address], *, detach: bool,
-             positions: Selection | None = None, edits: dict | None = None) -> Cache:
+    # A checked Request: ``positions`` is None (every position) or a Selection resolved against
+    # ``tokens``, ``edits`` None or the planned edits by address; the backend applies both where
+    # each activation is produced. ``options`` None: a capture; else a generation.
+    def _execute(self, request: Request):
+        """A :class:`Cache` for a capture, ``(completion, cache)`` for a generation."""
         raise NotImplementedError
 
-    def _generate(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling, *,
-                  positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
-        raise NotImplementedError
-
-    async def _capture(self, tokens, addresses, options: Sampling | None, *,
-                       positions: Selection | None = None, edits: dict | None = None) -> dict[Address, torch.Tensor]:
-        raise NotImplementedError
-
-    async def _generate_async(self, tokens, addresses, options: Sampling, *,
-                              positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
-        return await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions, edits=edits)
+    async def _execute_async(self, request: Request):
+        """:meth:`_execute` without blocking the event loop; by default on a thread, stopped
+        between steps when the caller gives up (:mod:`.cancel`)."""
+        return await cancel.in_thread(self._execute, request)
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,

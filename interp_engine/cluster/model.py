@@ -126,8 +126,9 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
     def __init__(self, facts, handles, coordinator, placement):
         first = facts[0]
         self.info = first.info
-        # the replicas' backend, except that the coordinator splits a batch over them
-        self.capabilities = dataclasses.replace(first.capabilities, batched=True)
+        # the replicas' backend, except that the coordinator splits a batch over them and does not
+        # ship dictionaries to them yet (saes= is refused with the fix)
+        self.capabilities = dataclasses.replace(first.capabilities, batched=True, features=False)
         self.dtype = first.model_dtype
         self.tok = Tokenizer(_tokenizer(first.tokenizer_files))
         self.replica_facts = list(facts)

@@ -212,3 +212,31 @@ def _plan_edit(point: FeatureAddress, edit, d: Dictionary, tokens, lengths, gene
     elif hasattr(edit, "factor"):
         changes["factor"] = _number(point, "Scale's factor", edit.factor)
     return Planned(point, dataclasses.replace(edit, **changes), selection)
+
+
+def describe(dictionaries) -> list[dict]:
+    """What a dataset manifest records about the dictionaries of its feature points (the content
+    key tells a resume with other weights apart)."""
+    return [{"name": d.name, "key": d.key, "reads": format_address(d.reads), "writes": format_address(d.writes),
+             "d_sae": d.d_sae, "activation": d.activation} for d in dictionaries]
+
+
+def sparse_point(address) -> bool:
+    """Whether a dataset stores ``address`` sparse: all of a dictionary's features (a chosen
+    subset ``features[...]`` and the error term are dense columns, like any activation)."""
+    return isinstance(address, FeatureAddress) and address.kind == "features" and address.ids is None
+
+
+def check_saes(model, addresses, saes) -> tuple[Dictionary, ...]:
+    """The dictionaries a build attaches, checked against ``model`` and the feature points among
+    ``addresses`` (each served by one of them); ``()`` when there are none."""
+    dictionaries = as_dictionaries(saes)
+    if not dictionaries and not any(isinstance(a, FeatureAddress) for a in addresses):
+        return ()
+    caps = model.capabilities
+    plan_features(list(addresses), {}, dictionaries, model.info, torch.zeros(1, 1, dtype=torch.long),
+                  writable=frozenset(caps.writable - caps.unserved))
+    if dictionaries and not caps.features:
+        raise InputError(f"dictionaries (saes=) do not run on the {model.backend} backend yet; load the model with "
+                         f"backend='eager'")
+    return dictionaries

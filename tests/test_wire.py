@@ -36,7 +36,7 @@ def test_a_worker_request_is_plain_data_and_comes_back_typed():
     request = WorkerRequest(("resid_post.1", "z.0"), (0, 3), 5, {"resid_post.1": edit})
     rpc = request.to_rpc()
     assert json.loads(json.dumps({k: v for k, v in rpc.items() if k != "edits"})) == {
-        "points": ["resid_post.1", "z.0"], "positions": [0, 3], "after": 5}
+        "points": ["resid_post.1", "z.0"], "positions": [0, 3], "after": 5, "features": None}
     assert isinstance(rpc["edits"]["resid_post.1"]["vector"], torch.Tensor)  # a tensor, never a list
     back = WorkerRequest.from_rpc(rpc)
     assert (back.points, back.positions, back.after) == (request.points, request.positions, request.after)
@@ -67,3 +67,32 @@ def test_edits_to_a_replica_come_back_equal():
 def test_a_function_edit_never_reaches_a_replica():
     with pytest.raises(InputError, match="Python function cannot be sent"):
         edits_for_replica({parse_address("resid_post.0"): Planned(parse_address("resid_post.0"), lambda x: x)})
+
+
+def test_a_dictionary_and_its_work_cross_as_tensors_and_come_back_equal():
+    from interp_engine import Set, Zero
+    from interp_engine.features.plan import plan_features
+    from interp_engine.wire import (dictionary_for_worker, dictionary_from_worker, features_for_worker,
+                                    features_from_worker)
+
+    from . import sparse_dicts as sd
+
+    sae = sd.sae(k=4)
+    data = dictionary_for_worker(sae)
+    assert all(isinstance(t, torch.Tensor) for t in data["tensors"].values())
+    back = dictionary_from_worker(data)
+    assert back.key == sae.key == data["key"] and repr(back) == repr(sae)
+    info = type("Info", (), {"n_layers": 3, "d_model": sd.D_MODEL, "n_heads": 4, "d_head": 32, "d_mlp": 256,
+                             "name": "tiny"})()
+    tokens = torch.zeros(1, 6, dtype=torch.long)
+    edits = {"resid_post.1.features[2]": Set(1.5, positions=[1]), "resid_post.1.sae_error": Zero()}
+    _, plan = plan_features([parse_address("resid_post.1.features[2,3]")], edits, [sae], info, tokens,
+                            writable=frozenset({"resid_post"}))
+    work = features_for_worker(plan)
+    (attached,) = features_from_worker(work, {sae.key: back})
+    want = plan.attached[0]
+    assert attached.features == want.features and attached.error == want.error
+    assert [p.address for p in attached.feature_edits] == [p.address for p in want.feature_edits]
+    assert attached.feature_edits[0].selection.rows == ((1,),) and attached.error_edit.selection is None
+    with pytest.raises(InternalError, match="was not sent"):
+        features_from_worker(work, {})

@@ -62,7 +62,7 @@ class Placed:
         return held
 
 
-class _State:
+class DictionaryStep:
     """One attached dictionary during one call: its tensors on the device, and what its read
     site leaves for its write site within a forward (a transcoder)."""
 
@@ -129,7 +129,7 @@ class SiteTransform(Transform):
     """Everything the call's dictionaries do at one site, in forward order: a plain edit of the
     site first, then each dictionary's step (a transcoder writing here before one reading here)."""
 
-    def __init__(self, plain: Planned | None, steps: list[tuple[_State, str]], run: "FeatureRun"):
+    def __init__(self, plain: Planned | None, steps: list[tuple[DictionaryStep, str]], run: "FeatureRun"):
         self.plain = plain
         self.steps = steps
         self.run = run
@@ -155,21 +155,28 @@ class FeatureRun:
         place = place or (lambda d, dev: d.to(dev))
         self.plan = plan
         self.sink = sink
-        self.states = [_State(a, place(a.dictionary, device), device) for a in plan.attached]
+        self.states = [DictionaryStep(a, place(a.dictionary, device), device) for a in plan.attached]
 
     def edits(self, plain: dict[Address, Planned] | None) -> dict[Address, Planned]:
         """The call's plain edits with a :class:`SiteTransform` at every site a dictionary works at
         (a plain edit of that site runs inside it, first)."""
-        steps: dict[Address, list] = defaultdict(list)
-        for state in self.states:
-            d, a = state.d, state.attached
-            if not d.is_transcoder:
-                steps[d.reads].append((state, "sae"))
-                continue
-            steps[d.reads].append((state, "read"))
-            if a.needs_error or a.edits:
-                steps[d.writes].insert(0, (state, "write"))
         out = dict(plain or {})
-        for site, todo in steps.items():
+        for site, todo in steps_at(self.states).items():
             out[site] = Planned(site, SiteTransform(out.get(site), todo, self))
         return out
+
+
+def steps_at(steps: list[DictionaryStep]) -> dict[Address, list[tuple[DictionaryStep, str]]]:
+    """Where each dictionary works and in what role: an SAE once at its site (``"sae"``), a
+    transcoder at its read site and, when its error or edits are needed, at its write site; at a
+    site, a transcoder writing there runs before one reading there."""
+    at: dict[Address, list] = defaultdict(list)
+    for step in steps:
+        d, a = step.d, step.attached
+        if not d.is_transcoder:
+            at[d.reads].append((step, "sae"))
+            continue
+        at[d.reads].append((step, "read"))
+        if a.needs_error or a.edits:
+            at[d.writes].insert(0, (step, "write"))
+    return dict(at)

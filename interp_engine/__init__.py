@@ -26,8 +26,10 @@ from .edits import Set as Set
 from .edits import Zero as Zero
 from .dataset.build import ActivationDataset as ActivationDataset
 from .dataset.build import build_dataset as build_dataset
+from .dataset.dashboard import feature_dashboard as feature_dashboard
 from .dataset.export import export_saelens as export_saelens
 from .features import Dictionary as Dictionary
+from .features import ce_loss_recovered as ce_loss_recovered
 from .features import load_dictionary as load_dictionary
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top

@@ -31,6 +31,7 @@ from .dataset.export import export_saelens as export_saelens
 from .features import Dictionary as Dictionary
 from .features import ce_loss_recovered as ce_loss_recovered
 from .features import load_dictionary as load_dictionary
+from .features import save_dictionary as save_dictionary
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens

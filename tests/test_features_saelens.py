@@ -158,3 +158,30 @@ def test_saelens_hook_z_flattens_heads(tmp_path):
     with torch.no_grad():
         want = sae_lens.SAE.load_from_disk(tmp_path / "z").encode(z)
     assert relative_error(ours.encode(z.flatten(-2)), want) <= SAME_BACKEND
+
+
+@pytest.mark.parametrize("kind", ["relu", "jumprelu", "topk", "scaled", "transcoder", "skip_transcoder"])
+def test_a_saved_dictionary_runs_the_same_in_saelens(tmp_path, kind):
+    from interp_engine.features import save_dictionary
+
+    g = torch.Generator().manual_seed(11)
+    d_out = 12 if "transcoder" in kind else D_IN
+    w = {"W_enc": torch.randn(D_IN, D_SAE, generator=g) * 0.3, "b_enc": torch.randn(D_SAE, generator=g) * 0.1,
+         "W_dec": torch.randn(D_SAE, d_out, generator=g) * 0.3, "b_dec": torch.randn(d_out, generator=g) * 0.1}
+    options = {"reads": "resid_mid.2", "writes": "mlp_out.2"} if "transcoder" in kind else {"reads": "resid_post.2"}
+    if kind == "jumprelu":
+        w["threshold"] = torch.rand(D_SAE, generator=g) * 0.2
+    if kind == "skip_transcoder":
+        w["W_skip"] = torch.randn(d_out, D_IN, generator=g) * 0.1
+    if kind == "topk":
+        options["k"] = 5
+    if kind == "scaled":
+        options["norm_scaling_factor"] = 0.4
+    ours = load_dictionary(w, apply_b_dec_to_input=kind in ("relu", "scaled"), **options)
+    folder = save_dictionary(ours, tmp_path / kind)
+    agree(ours, sae_lens.SAE.load_from_disk(folder), x_for(), transcoder="transcoder" in kind)
+    back = load_dictionary(folder)
+    assert (back.reads, back.writes) == (ours.reads, ours.writes)
+    f, out = back.forward(x_for())
+    want_f, want_out = ours.forward(x_for())
+    assert relative_error(f, want_f) <= SAME_BACKEND and relative_error(out, want_out) <= SAME_BACKEND

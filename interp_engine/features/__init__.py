@@ -8,6 +8,7 @@ the hook that produces the activation, and editable there (see ``docs/FEATURES.m
 
 from .dictionary import Dictionary as Dictionary
 from .load import load_dictionary as load_dictionary
+from .load import save_dictionary as save_dictionary
 from .splice import SpliceLoss as SpliceLoss
 from .splice import ce_loss_recovered as ce_loss_recovered
 from .splice import splice_edits as splice_edits

@@ -60,3 +60,12 @@ def hook_address(name: str) -> Address:
     known = ", ".join(f"blocks.L.{h}" for h in _SITES)
     raise AddressError(f"hook {name!r} is not a TransformerLens name this engine maps to an address; known: "
                        f"{known}. Pass reads='resid_post.L' (or another address) to load_dictionary instead")
+
+
+def hook_name(address: Address) -> str:
+    """Our address as the TransformerLens hook name a SAELens config writes
+    (``resid_post.10`` -> ``blocks.10.hook_resid_post``)."""
+    for suffix, site in _SITES.items():
+        if site == address.name and address.stream is None:
+            return f"blocks.{address.layer}.{suffix}"
+    raise AddressError(f"{address} has no TransformerLens hook name; these sites do: {', '.join(_SITES.values())}")

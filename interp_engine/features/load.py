@@ -31,7 +31,7 @@ from ..dtypes import to_dtype
 from ..errors import AddressError
 from ..errors import DictionaryError
 from .dictionary import Dictionary
-from .hooks import hook_address
+from .hooks import hook_address, hook_name
 
 #: SAELens architecture -> (activation, transcoder, skip connection)
 ARCHITECTURES = {
@@ -260,3 +260,44 @@ def _from_tensors(tensors: dict, *, reads, writes=None, activation=None, k=None,
 
 
 assert set(DICTIONARY_SITES) <= set(SITES)
+
+
+def save_dictionary(dictionary: Dictionary, folder) -> Path:
+    """Write ``dictionary`` as a SAELens 6 folder (``cfg.json`` + ``sae_weights.safetensors``) that
+    SAELens's ``SAE.load_from_disk`` and :func:`load_dictionary` both read back with the same maths
+    (a ``scale`` normalisation is folded into the weights, which is what it means). Returns the folder."""
+    from safetensors.torch import save_file
+
+    d = dictionary
+    if d.is_transcoder and d.activation == "topk":
+        raise DictionaryError(f"{d!r}: SAELens has no TopK transcoder to save it as")
+    tensors = {n: getattr(d, n).detach().cpu().contiguous() for n in ("W_enc", "b_enc", "W_dec", "b_dec")}
+    normalize = d.normalize
+    if normalize == "scale":  # x * s in, / s out: the same maths with the factor in the weights
+        s = d.norm_scale
+        tensors.update(W_enc=tensors["W_enc"] * s, W_dec=tensors["W_dec"] / s, b_dec=tensors["b_dec"] / s)
+        normalize = "none"
+    if d.threshold is not None:
+        tensors["threshold"] = d.threshold.detach().cpu().contiguous()
+    if d.W_skip is not None:
+        tensors["W_skip"] = d.W_skip.detach().cpu().contiguous()
+    kind = {"relu": "standard", "jumprelu": "jumprelu", "topk": "topk"}[d.activation]
+    if d.is_transcoder:
+        kind = ("jumprelu_" if d.activation == "jumprelu" else "") + ("skip_transcoder" if d.W_skip is not None
+                                                                      else "transcoder")
+    metadata = {"sae_lens_version": "6.0.0", "hook_name": hook_name(d.reads)}
+    if d.is_transcoder:
+        metadata["hook_name_out"] = hook_name(d.writes)
+    cfg = {"d_in": d.d_in, "d_sae": d.d_sae, "dtype": str(d.dtype).removeprefix("torch."), "device": "cpu",
+           "apply_b_dec_to_input": d.apply_b_dec_to_input, "normalize_activations": normalize,
+           "reshape_activations": "hook_z" if d.reads.name == "z" else "none", "metadata": metadata,
+           "architecture": kind}
+    if d.is_transcoder:
+        cfg["d_out"] = d.d_out
+    if d.activation == "topk":
+        cfg.update(k=d.k, rescale_acts_by_decoder_norm=d.rescale_by_decoder_norm)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / _WEIGHTS))
+    (folder / _CFG).write_text(json.dumps(cfg, indent=1))
+    return folder

@@ -31,14 +31,14 @@ import torch
 
 from .. import cancel
 from ..address import Address
-from ..archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
+from ..archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
 from ..cache import Cache
 from ..capabilities import Capabilities
 from ..edits_wire import wire as edit_wire
 from ..model import CaptureModel, Completion, Sampling
 from ..positions import Selection, held_positions
 from ..tokens import Tokenizer, fed_tokens
-from ..errors import InputError, InternalError
+from ..errors import InputError, InternalError, UnsupportedModel
 from ..unembedding import FetchedUnembedding, UnembedWeights
 from .heads import split_heads
 from .vllm_engine import engine_options, memory_defaults, start_engine, stop_engine
@@ -276,6 +276,10 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path)
+    if not has_record(config):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} has no family record, and the generic path (a record found and proven "
+            f"on the loaded model) runs on backend='eager' only; load it with backend='eager'")
     info = model_info(config, name)
     vllm_sites(arch_for(config).family)  # an unsupported family fails before the engine starts
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:

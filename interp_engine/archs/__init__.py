@@ -18,6 +18,7 @@ from ..address import SITES, ModelInfo
 from . import dense, gpt, moe, streams
 from .base import LAYOUTS as LAYOUTS
 from .base import LOGITS as LOGITS
+from .base import ONE as ONE
 from .base import Arch as Arch
 from .base import Group as Group
 from .base import Hook as Hook

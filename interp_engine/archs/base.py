@@ -45,6 +45,9 @@ class Hook:
 #: Transformers backend runs)
 LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...")
 
+#: the layout of a vLLM read inside a batch axis of one (see ``LAYOUTS``)
+ONE = "1 (b p) ..."
+
 #: the model-level site, computed from the final hidden states (not read from a layer)
 LOGITS = "logits"
 
@@ -105,6 +108,11 @@ class Arch:
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     #: why ``vllm`` leaves out a site that ``sites`` serves (shown when it is asked for on vLLM)
     vllm_refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: vLLM runs this family through its Transformers backend (the Hugging Face modules inside
+    #: vLLM), which rewrites the Hugging Face decoder class in the process that runs it (its
+    #: ``__init__`` and ``__call__``, for torch.compile): an eager model of the family in that
+    #: process would break, so the vLLM backend gives such an engine's worker a process of its own
+    vllm_transformers_backend: bool = False
     #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) where vLLM's model
     #: differs from the Hugging Face one (vLLM's Transformers backend keeps the decoder as ``model``)
     vllm_paths: dict[str, str] = dataclasses.field(default_factory=dict)

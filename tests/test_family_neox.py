@@ -142,3 +142,15 @@ def test_head_contributions_logit_attribution_and_the_lens(pair, cache):
     bias = hf.gpt_neox.final_layer_norm.bias @ model.unembed_weight()[token]
     assert_near(shares.sum(0) + bias, full["logits"][..., token], "shares + final norm bias", REL_SAME)
     assert_near(logit_lens(model, full, layers=[L])[0], full["logits"], "lens", REL_SAME)
+
+
+def test_positions_select_the_rows_of_the_full_capture(pair):
+    model, _ = pair
+    tokens = model.to_tokens(PROMPT)
+    points = ["resid_pre.1", "z.0", "mlp_post.2", "pattern.1"]
+    full = run_with_cache(model, tokens, points)
+    some = run_with_cache(model, tokens, points, positions=[0, -1])
+    last = tokens.shape[1] - 1
+    for point in points:
+        axis = 2 if point.startswith("pattern") else 1
+        assert_near(some[point], full[point].index_select(axis, torch.tensor([0, last])), point, REL_SAME)

@@ -142,3 +142,17 @@ def test_vllm_refuses_the_generic_path_before_starting_an_engine(tiny_root):
     pytest.importorskip("vllm")
     with pytest.raises(UnsupportedModel, match="runs on backend='eager' only"):
         load_model(str(tiny_gpt.build("stablelm", tiny_root)), backend="vllm")
+
+
+def test_a_dataset_job_preflight_leaves_a_generic_models_points_to_its_replicas(tiny_root, tmp_path):
+    """Only a loaded model can prove what the generic path serves: the driver's preflight checks the
+    rest of the job and does not refuse the model_type; a known family's points are still checked."""
+    from interp_engine.errors import ConfigError
+    from interp_engine.jobs.config import BuildConfig
+    from interp_engine.jobs.preflight import preflight
+
+    path = str(tiny_gpt.build("stablelm", tiny_root))
+    preflight(BuildConfig(model=path, prompts=["hello"], points=["mlp_post.1"], output=str(tmp_path / "a")))
+    gpt2 = str(tiny_gpt.build("gpt2", tiny_root))
+    with pytest.raises(ConfigError, match="points: .*layer 9 is out of range"):
+        preflight(BuildConfig(model=gpt2, prompts=["hello"], points=["resid_post.9"], output=str(tmp_path / "b")))

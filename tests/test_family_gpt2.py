@@ -109,8 +109,8 @@ def test_logit_attribution_sums_to_the_logit_less_the_ln_f_bias(model, hf, cache
     L = 2
     heads = head_contributions(model, cache, L).permute(2, 0, 1, 3)
     per_head = logit_attribution(model, full, ids, components=heads)
-    c_bias = logit_attribution(model, full, ids, components=hf.transformer.h[L].attn.c_proj.bias.expand(1, *ids.shape,
-                                                                                                        -1))
+    bias_part = hf.transformer.h[L].attn.c_proj.bias.expand(1, *ids.shape, -1)
+    c_bias = logit_attribution(model, full, ids, components=bias_part)
     assert_near(per_head.sum(0) + c_bias[0], shares[1 + 2 * L], "heads' shares", REL_SAME)
 
 

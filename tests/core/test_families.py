@@ -53,3 +53,41 @@ def test_every_record_is_well_formed():
     for arch in FAMILIES:
         assert arch.weights in ("out_in", "in_out") and arch.layers and arch.final_norm and arch.embed
         assert set(arch.vllm) <= set(arch.sites) | {"logits", "router_logits", "expert_weights", "expert_indices"}
+
+
+def test_sizes_come_from_each_familys_config_names():
+    """d_mlp, d_head and n_kv_heads are read under the names each family's config uses."""
+    from interp_engine.archs import model_info
+
+    gpt2 = AutoConfig.for_model("gpt2", n_embd=256, n_head=4, n_layer=2)
+    assert (model_info(gpt2, "g").d_mlp, model_info(gpt2, "g").d_head, model_info(gpt2, "g").n_kv_heads) == (1024, 64, 4)
+    gpt2.n_inner = 300
+    assert model_info(gpt2, "g").d_mlp == 300
+    neox = AutoConfig.for_model("gpt_neox", hidden_size=256, num_attention_heads=4, intermediate_size=640)
+    neox.head_dim = 32  # not a GPT-NeoX name: its attention always uses hidden_size / heads
+    assert (model_info(neox, "n").d_mlp, model_info(neox, "n").d_head, model_info(neox, "n").n_kv_heads) == (640, 64, 4)
+    llama = AutoConfig.for_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=32, intermediate_size=512)
+    assert (model_info(llama, "l").d_mlp, model_info(llama, "l").d_head, model_info(llama, "l").n_kv_heads) == (512, 32, 2)
+
+
+def test_gpt_neoxs_records_are_chosen_by_use_parallel_residual():
+    from interp_engine.archs import model_info
+
+    parallel = arch_for(AutoConfig.for_model("gpt_neox", use_parallel_residual=True))
+    sequential = arch_for(AutoConfig.for_model("gpt_neox", use_parallel_residual=False))
+    assert "resid_mid" not in parallel.sites and "resid_mid" in sequential.sites
+    assert "no residual stream exists between them" in parallel.refused["resid_mid"]
+    info = model_info(AutoConfig.for_model("gpt_neox", use_parallel_residual=True), "p")
+    assert "resid_mid" not in info.sites and dict(info.refused)["resid_mid"] == parallel.refused["resid_mid"]
+    # vLLM's Transformers backend keeps the decoder under model.*, the HF model under gpt_neox.*
+    assert (parallel.layers, parallel.vllm_path("layers")) == ("gpt_neox.layers", "model.layers")
+    assert parallel.vllm_path("unembed") == parallel.unembed == "lm_head"
+    assert set(parallel.vllm_refused) == {"q", "k", "v"} and parallel.vllm_transformers_backend
+
+
+def test_gpt2_is_the_record_that_stores_projections_in_out():
+    gpt2 = arch_for(AutoConfig.for_model("gpt2"))
+    assert gpt2.weights == "in_out" and [a.family for a in FAMILIES if a.weights == "in_out"] == ["gpt2"]
+    with pytest.raises(ValueError, match="fits none of its family records"):
+        arch_for(AutoConfig.for_model("gpt2", add_cross_attention=True))

@@ -1,6 +1,6 @@
 """GPT-2 (vLLM's own model code) and GPT-NeoX, parallel and sequential (vLLM's Transformers backend:
 the Hugging Face modules inside vLLM), on the vLLM backend against the eager backend on the same
-weights, which tests/test_family_gpt2.py and test_family_neox.py check against HF and by hand.
+weights, which tests/archs/test_family_gpt2.py and test_family_neox.py check against HF and by hand.
 Tolerance: 1e-4 relative (fp32). One engine per family, module-scoped.
 """
 
@@ -12,8 +12,8 @@ import torch
 from interp_engine import (Add, AddressError, Scale, Set, Zero, capture_generation, head_contributions,
                            logit_attribution, run_with_cache)
 
-from . import tiny_gpt
-from .oracles import assert_near
+from .. import tiny_gpt
+from ..oracles import assert_near
 
 pytest.importorskip("vllm")
 

@@ -1,5 +1,5 @@
 """GPT-2 on a 2-replica cluster and in a dataset build, and a generic-path model on a replica, on a
-simulated Ray cluster: the same tensors as the local eager model (tests/test_family_gpt2.py checks
+simulated Ray cluster: the same tensors as the local eager model (tests/archs/test_family_gpt2.py checks
 that one against HF and by hand). What a replica sends back is read the way the family stores it:
 GPT-2's output projection transposed (Conv1D), its final LayerNorm rebuilt at ``transformer.ln_f``.
 """
@@ -12,9 +12,9 @@ import torch
 from interp_engine import head_contributions, load_model, logit_attribution, logit_lens, run_with_cache
 from interp_engine.dataset.build import build_dataset
 
-from . import tiny_gpt
-from .clusters import simulated_cluster
-from .oracles import assert_caches_near, assert_near, torch_threads
+from .. import tiny_gpt
+from ..clusters import simulated_cluster
+from ..oracles import assert_caches_near, assert_near, torch_threads
 
 ray = pytest.importorskip("ray")
 

@@ -20,8 +20,8 @@ from interp_engine import (Add, AddressError, UnsupportedModel, head_contributio
                            run_with_cache)
 from interp_engine.archs import record_for_model
 
-from . import tiny, tiny_gpt
-from .oracles import REL_SAME, assert_near
+from .. import tiny, tiny_gpt
+from ..oracles import REL_SAME, assert_near
 
 PROMPT = "a family with no record"
 SERVED = {"resid_pre", "attn_out", "mlp_out", "resid_post", "z", "mlp_post", "resid_streams", "logits"}

@@ -18,8 +18,8 @@ from interp_engine import (Add, Set, Zero, capture_generation, head_contribution
                            run_with_cache)
 from interp_engine.archs import model_info
 
-from . import gpt_oracles, tiny_gpt
-from .oracles import REL_SAME, assert_near
+from .. import gpt_oracles, tiny_gpt
+from ..oracles import REL_SAME, assert_near
 
 PROMPT = "The quick brown fox"
 SITES = ("resid_pre", "q", "k", "v", "z", "pattern", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post")

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from interp_engine import Add, AddressError, Scale, head_contributions, logit_attribution, logit_lens, run_with_cache
 
-from . import gpt_oracles, tiny_gpt
-from .oracles import REL_SAME, assert_near
+from .. import gpt_oracles, tiny_gpt
+from ..oracles import REL_SAME, assert_near
 
 PROMPT = "Pythia reads the pile"
 SITES = ("resid_pre", "q", "k", "v", "z", "pattern", "attn_out", "mlp_post", "mlp_out", "resid_post")

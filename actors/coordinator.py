@@ -59,9 +59,9 @@ class CoordinatorCore:
             self.resubmitted += scheduler.resubmitted
             self.rejoined += scheduler.rejoined
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> CaptureReply:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None, saes=None) -> CaptureReply:
         tokens = np.asarray(tokens)
-        shards = self._row_shards(tokens, list(points), positions, edits)
+        shards = self._row_shards(tokens, list(points), positions, edits, saes)
         scheduler = self._scheduler()
         results: dict[int, CaptureReply] = {}
         try:
@@ -78,20 +78,23 @@ class CoordinatorCore:
                                          tokens.shape[1], held)
         return CaptureReply(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
 
-    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
+    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None,
+                    saes=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
-        specs as given), which every replica resolves per row."""
+        specs as given), which every replica resolves per row, and the call's dictionaries
+        (``[(key, object ref)]``)."""
         if not self.batched:
             rows = unpad(tokens)
-            return [Shard(i, (row, points, positions, edits)) for i, row in enumerate(rows)]
+            return [Shard(i, (row, points, positions, edits, saes)) for i, row in enumerate(rows)]
         bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
-        return [Shard(i, (tokens[a:b], points, positions, edits)) for i, (a, b) in enumerate(bounds)]
+        return [Shard(i, (tokens[a:b], points, positions, edits, saes)) for i, (a, b) in enumerate(bounds)]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
-                 edits=None) -> GenerationReply:
+                 edits=None, saes=None) -> GenerationReply:
         scheduler = self._scheduler()
         try:
-            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions, edits))]):
+            shard = Shard(0, (tokens, points, options, positions, edits, saes))
+            for _, generated in scheduler.run("generate", [shard]):
                 return generated
         finally:
             self._forget(scheduler)
@@ -171,13 +174,13 @@ def coordinator_actor():
 
         # A cancelled request (ray.cancel from the caller) stops scheduling here; Ray passes the
         # cancellation on to the replica calls it made, which stop between decode steps.
-        def run(self, tokens, points, positions=None, edits=None):
+        def run(self, tokens, points, positions=None, edits=None, saes=None):
             with cancel.watching(ray_task_cancelled):
-                return self.core.run(tokens, points, positions, edits)
+                return self.core.run(tokens, points, positions, edits, saes)
 
-        def generate(self, tokens, points, options, positions=None, edits=None):
+        def generate(self, tokens, points, options, positions=None, edits=None, saes=None):
             with cancel.watching(ray_task_cancelled):
-                return self.core.generate(tokens, points, options, positions, edits)
+                return self.core.generate(tokens, points, options, positions, edits, saes)
 
         def build(self, build_id, spec, source, skip):
             return self.core.build(build_id, spec, source, skip)

@@ -57,9 +57,48 @@ class Packed:
         out = torch.from_numpy(np.array(self.array, copy=True))
         return as_bfloat16(out) if self.dtype == "bfloat16" else out
 
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePacked:
+    """A dictionary's feature tensor ``[*shape, width]`` as its active entries only (compressed
+    rows, :class:`~interp_engine.features.sparse.SparseRows`), so a replica's reply carries the
+    features that fired and nothing else; :meth:`tensor` gives the dense tensor back."""
+
+    offsets: np.ndarray
+    ids: np.ndarray
+    values: Packed
+    shape: tuple[int, ...]
+    width: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "SparsePacked":
+        from .features.sparse import SparseRows
+
+        rows = SparseRows.of(tensor).cpu()
+        return cls(rows.offsets.numpy(), rows.ids.numpy(), Packed.of(rows.values), tuple(tensor.shape[:-1]),
+                   int(tensor.shape[-1]))
+
+    def tensor(self) -> torch.Tensor:
+        from .features.sparse import SparseRows
+
+        rows = SparseRows(torch.from_numpy(np.array(self.offsets, copy=True)),
+                          torch.from_numpy(np.array(self.ids, copy=True)), self.values.tensor(), self.width)
+        return rows.dense(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.nbytes + self.ids.nbytes + self.values.nbytes
+
 
 def pack_dict(data: dict[Address, torch.Tensor]) -> dict[str, Packed]:
-    return {format_address(a): Packed.of(t) for a, t in data.items()}
+    """Tensors by address string; a dictionary's whole feature vector travels sparse."""
+    from .features.plan import sparse_point
+
+    return {format_address(a): SparsePacked.of(t) if sparse_point(a) else Packed.of(t) for a, t in data.items()}
 
 
 def unpack_dict(data: dict[str, Packed]) -> dict[Address, torch.Tensor]:
@@ -231,6 +270,18 @@ def features_from_worker(work: list[dict], dictionaries: dict) -> list:
 # -- to and from a cluster replica --------------------------------------------------------------
 
 
+def dictionary_for_replica(dictionary) -> dict:
+    """A dictionary as a cluster replica receives it: :func:`dictionary_for_worker`'s data with
+    its tensors as :class:`Packed` numpy arrays (the cluster model puts it in the object store once)."""
+    data = dictionary_for_worker(dictionary)
+    return {**data, "tensors": {n: Packed.of(t) for n, t in data["tensors"].items()}}
+
+
+def dictionary_from_replica(data: dict):
+    """The dictionary :func:`dictionary_for_replica` described."""
+    return dictionary_from_worker({**data, "tensors": {n: p.tensor() for n, p in data["tensors"].items()}})
+
+
 def edits_for_replica(planned: dict[Address, Planned] | None) -> dict | None:
     """Checked edits as plain data for a cluster replica: numbers, numpy arrays, and the
     positions spec as given (each replica resolves it against its own rows). No code."""
@@ -282,8 +333,8 @@ class CaptureReply:
     @property
     def nbytes(self) -> int:
         """The bytes of the activations (and positions) this capture carries."""
-        return sum(p.array.nbytes for p in self.tensors.values()) + (0 if self.positions is None else
-                                                                       self.positions.nbytes)
+        return sum(p.nbytes for p in self.tensors.values()) + (0 if self.positions is None else
+                                                                 self.positions.nbytes)
 
 
 @dataclasses.dataclass(frozen=True)

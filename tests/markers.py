@@ -18,7 +18,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "test_family_gpt_vllm", "test_features_vllm")},
     # a Ray cluster (local, token auth)
     **{m: ("ray",) for m in (
-        "test_cluster", "test_cluster_configs", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",
+        "test_cluster", "test_cluster_configs", "test_features_cluster", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",
         "test_security", "test_jobs", "test_docs", "test_family_cluster")},
     "test_cluster_vllm": ("ray", "vllm"),
     "test_cancel": ("ray", "vllm"),

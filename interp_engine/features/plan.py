@@ -65,6 +65,16 @@ class FeaturePlan:
     def edits(self) -> bool:
         return any(a.edits for a in self.attached)
 
+    def edit_map(self) -> dict:
+        """Every feature and error edit of the call, by its feature point (what a cluster replica
+        is sent as ``edits=``, with the dictionaries, to plan again)."""
+        out = {}
+        for a in self.attached:
+            out.update({p.address: p for p in a.feature_edits})
+            if a.error_edit is not None:
+                out[a.error_edit.address] = a.error_edit
+        return out
+
 
 def site_width(address: Address, info: ModelInfo) -> int:
     """The length of the vector a dictionary sees at ``address`` (z: its heads flattened)."""

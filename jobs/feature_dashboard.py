@@ -3,8 +3,8 @@
     python jobs/feature_dashboard.py jobs/examples/dashboard.yaml
     ray job submit --working-dir . -- python jobs/feature_dashboard.py jobs/examples/dashboard.yaml
 
-The model runs in the job's own process (eager or vLLM; dictionaries do not run on cluster
-replicas yet). A config such as::
+The model runs in the job's own process (eager or vLLM), or on ``replicas: N`` copies on the
+Ray cluster (each encodes its share; the job merges the tallies). A config such as::
 
     model: HuggingFaceTB/SmolLM2-135M-Instruct
     prompts: prompts.jsonl            # read beside this file when relative
@@ -50,6 +50,7 @@ class DashboardConfig(BaseModel):
     backend: Literal["eager", "vllm"] = "eager"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     backend_options: dict = Field(default_factory=dict)
+    replicas: int = Field(1, ge=1, le=4096, description="model copies on the Ray cluster (1: in this process)")
     prompts: str | list[str]
     text_key: str = "text"
     saes: list[DictionarySpec] = Field(min_length=1)
@@ -69,7 +70,8 @@ def run(config: DashboardConfig, base: Path = Path(".")):
 
     saes = [load_dictionary(base / spec.path, reads=spec.reads, writes=spec.writes, name=spec.name,
                             norm_scaling_factor=spec.norm_scaling_factor) for spec in config.saes]
-    model = load_model(config.model, backend=config.backend, dtype=config.dtype, **config.backend_options)
+    replicas = {"replicas": config.replicas} if config.replicas > 1 else {}
+    model = load_model(config.model, backend=config.backend, dtype=config.dtype, **replicas, **config.backend_options)
     try:
         return feature_dashboard(model, config.prompts, saes, config.output, top_k=config.top_k,
                                  samples=config.samples, window=tuple(config.window), shard_size=config.shard_size,

@@ -81,3 +81,37 @@ def test_cluster_dataset_and_dashboard_equal_local(cluster_llama, eager_models, 
     assert (fc["n_fired"] == fl["n_fired"]).all()
     assert_near(torch.tensor(fc["max_activation"].to_numpy()), torch.tensor(fl["max_activation"].to_numpy()),
                 "dashboard maxima", REL_SAME)
+
+
+def test_killing_a_replica_mid_dashboard_changes_nothing(cluster_llama, tiny_path, tmp_path):
+    import threading
+    import time
+
+    from ..faults import kill_replica
+
+    prompts = [f"prompt {i}: " + "word " * (i % 7) for i in range(24)]
+    sae = sd.sae(k=12)
+    # CPU-only replicas, one torch thread each: a shard moved to the other replica is the same computation
+    model = load_model(str(tiny_path("llama")), replicas=2, gpus_per_replica=0, cpus_per_replica=0.25,
+                       torch_threads=1)
+    try:
+        clean = feature_dashboard(model, prompts, [sae], tmp_path / "clean", top_k=3, shard_size=2)
+        out = tmp_path / "faulty"
+
+        def killer():
+            while len(list(out.glob("stats-*.parquet"))) < 2:
+                time.sleep(0.01)
+            kill_replica(model, 1, restart=False)
+
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        try:
+            faulty = feature_dashboard(model, prompts, [sae], out, top_k=3, shard_size=2)
+        finally:
+            thread.join(timeout=30)
+        assert ray.get(model._coordinator.resubmitted.remote()) >= 1  # the kill hit work in flight
+        for name in ("features.parquet", "contexts.parquet"):
+            assert (tmp_path / "clean" / name).read_bytes() == (out / name).read_bytes()
+        assert faulty.tokens == clean.tokens
+    finally:
+        model.close()

@@ -205,29 +205,32 @@ def _write_results(store, identity, dictionaries, names, model, tokens: int, n_s
 
 def _readable(contexts: pa.Table, names: list[str], model) -> pa.Table:
     """The merged contexts as users read them: dictionary names, kinds as words, each kind ranked
-    (activation descending, then prompt and position), and the window's tokens as text."""
-    frame = contexts.to_pandas()
-    frame = frame.sort_values(["dictionary", "feature", "kind", "activation", "prompt_index", "position"],
-                              ascending=[True, True, True, False, True, True], kind="stable")
-    frame["rank"] = frame.groupby(["dictionary", "feature", "kind"]).cumcount().astype(np.int32)
-    frame["sae"] = [names[d] for d in frame["dictionary"]]
-    frame["kind"] = [KINDS[k] for k in frame["kind"]]
-    vocab = {}
+    (activation descending, then prompt and position), and the window's tokens as text (each
+    distinct token decoded once)."""
+    from .columns import to_numpy
 
-    def text(i):
-        if i not in vocab:
-            vocab[i] = "" if i < 0 else model.to_string([int(i)])
-        return vocab[i]
-
-    token_strs = [[text(int(i)) for i in row] for row in frame["tokens"]]
-    return pa.table({"sae": frame["sae"].tolist(), "feature": pa.array(frame["feature"], pa.int32()),
-                     "kind": frame["kind"].tolist(), "rank": pa.array(frame["rank"], pa.int32()),
-                     "activation": pa.array(frame["activation"], pa.float32()),
-                     "prompt_index": pa.array(frame["prompt_index"], pa.int64()),
-                     "position": pa.array(frame["position"], pa.int32()),
-                     "window_start": pa.array(frame["window_start"], pa.int32()),
-                     "tokens": [list(map(int, t)) for t in frame["tokens"]], "token_strs": token_strs,
-                     "acts": [list(map(float, a)) for a in frame["acts"]]})
+    col = {c: contexts.column(c).to_numpy() for c in ("dictionary", "feature", "kind", "activation", "prompt_index",
+                                                       "position")}
+    order = np.lexsort((col["position"], col["prompt_index"], -col["activation"], col["kind"], col["feature"],
+                        col["dictionary"]))
+    table = contexts.take(order)
+    d, f, kind = (table.column(c).to_numpy() for c in ("dictionary", "feature", "kind"))
+    group = (d.astype(np.int64) << 33) | (f.astype(np.int64) << 1) | kind.astype(np.int64)
+    starts = np.r_[0, np.flatnonzero(group[1:] != group[:-1]) + 1] if len(group) else np.zeros(0, np.int64)
+    rank = np.arange(len(group)) - np.repeat(starts, np.diff(np.r_[starts, len(group)]))
+    ids = to_numpy(table.column("tokens"))
+    width = ids.shape[1] if ids.ndim == 2 else 0
+    distinct, inverse = np.unique(ids, return_inverse=True)
+    text = np.array(["" if i < 0 else model.to_string([int(i)]) for i in distinct], dtype=object)
+    strs = text[inverse.reshape(-1)] if len(distinct) else np.zeros(0, dtype=object)
+    return pa.table({
+        "sae": pa.array(np.array(names, dtype=object)[d], pa.string()), "feature": table.column("feature"),
+        "kind": pa.array(np.array(KINDS, dtype=object)[kind], pa.string()), "rank": pa.array(rank, pa.int32()),
+        "activation": table.column("activation"), "prompt_index": table.column("prompt_index"),
+        "position": table.column("position"), "window_start": table.column("window_start"),
+        "tokens": table.column("tokens"),
+        "token_strs": pa.FixedSizeListArray.from_arrays(pa.array(strs, pa.string()), width),
+        "acts": table.column("acts")})
 
 
 def render_html(contexts: pa.Table, feature: int, sae: str, kind: str = "top") -> str:

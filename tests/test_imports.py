@@ -123,6 +123,17 @@ def test_no_module_imports_from_a_higher_floor():
     assert not upward, "imports from a higher floor:\n" + "\n".join(f"{k} -> {v}" for k, v in upward.items())
 
 
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages setuptools installs: every folder of the library with an
+    ``__init__.py`` is among them (a subpackage left out is missing from a wheel)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found - listed == set(), f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
+    assert listed - found == set(), f"pyproject.toml lists packages that do not exist: {sorted(listed - found)}"
+
+
 def test_readme_layout_names_every_library_module():
     """README's layout section is the map of the package: every module of interp_engine/ is
     named there, by its file name or a family pattern such as ``dataset_*.py``."""

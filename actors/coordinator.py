@@ -69,23 +69,13 @@ class CoordinatorCore:
                 results[shard.index] = captured
         finally:
             self._forget(scheduler)
-        parts = [results[i] for i in range(len(shards))]
-        if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
-            return parts[0]
-        tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
-        held = None if positions is None else [torch.from_numpy(np.array(p.positions)) for p in parts]
-        joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
-                                         tokens.shape[1], held)
-        return Captured(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
+        return join_captured([results[i] for i in range(len(shards))], tokens, positions is not None)
 
     def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
         specs as given), which every replica resolves per row."""
-        if not self.batched:
-            rows = unpad(tokens)
-            return [Shard(i, (row, points, positions, edits)) for i, row in enumerate(rows)]
-        bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
-        return [Shard(i, (tokens[a:b], points, positions, edits)) for i, (a, b) in enumerate(bounds)]
+        return [Shard(i, (rows, points, positions, edits))
+                for i, rows in enumerate(split_rows(tokens, self.batched, len(self.replicas)))]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None) -> Generated:
@@ -122,6 +112,26 @@ class CoordinatorCore:
     def forget_build(self, build_id: str) -> None:
         with self._lock:
             self._progress.pop(build_id, None)
+
+
+def split_rows(tokens: np.ndarray, batched: bool, parts: int) -> list[np.ndarray]:
+    """A padded batch cut for ``parts`` replicas: one row (at its true length) per piece for
+    one-prompt backends, contiguous chunks at the batch's own width for batched ones."""
+    if not batched:
+        return unpad(tokens)
+    return [tokens[a:b] for a, b in chunk_bounds(tokens.shape[0], parts)]
+
+
+def join_captured(parts: list[Captured], tokens: np.ndarray, selected: bool) -> Captured:
+    """The pieces' captures (in :func:`split_rows` order) put back together as the padded batch
+    ``tokens`` (``selected``: the pieces hold a positions selection)."""
+    if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
+        return parts[0]
+    tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
+    held = [torch.from_numpy(np.array(p.positions)) for p in parts] if selected else None
+    joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
+                                     tokens.shape[1], held)
+    return Captured(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
 
 
 class RayExecutor:

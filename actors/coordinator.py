@@ -17,18 +17,15 @@ import threading
 from typing import Any
 
 import numpy as np
-import torch
 
 from interp_engine import cancel
-from interp_engine.address import parse_address
-from interp_engine.batching import chunk_bounds, join_rows
+from interp_engine.batching import join_captured, split_rows
 from interp_engine.errors import InternalError, user_error
-from interp_engine.dataset_shard import ShardSpec, ShardStats
-from interp_engine.tokens import unpad
+from interp_engine.dataset.shard import ShardSpec, ShardStats
 
 from .replica import ray_task_cancelled
 from .scheduler import ReplicaDied, Scheduler, Shard
-from .wire import Captured, Generated, pack_dict
+from interp_engine.wire import CaptureReply, GenerationReply
 
 
 class CoordinatorCore:
@@ -59,11 +56,11 @@ class CoordinatorCore:
             self.resubmitted += scheduler.resubmitted
             self.rejoined += scheduler.rejoined
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> Captured:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> CaptureReply:
         tokens = np.asarray(tokens)
         shards = self._row_shards(tokens, list(points), positions, edits)
         scheduler = self._scheduler()
-        results: dict[int, Captured] = {}
+        results: dict[int, CaptureReply] = {}
         try:
             for shard, captured in scheduler.run("run", shards):
                 results[shard.index] = captured
@@ -78,7 +75,7 @@ class CoordinatorCore:
                 for i, rows in enumerate(split_rows(tokens, self.batched, len(self.replicas)))]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
-                 edits=None) -> Generated:
+                 edits=None) -> GenerationReply:
         scheduler = self._scheduler()
         try:
             for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions, edits))]):
@@ -112,26 +109,6 @@ class CoordinatorCore:
     def forget_build(self, build_id: str) -> None:
         with self._lock:
             self._progress.pop(build_id, None)
-
-
-def split_rows(tokens: np.ndarray, batched: bool, parts: int) -> list[np.ndarray]:
-    """A padded batch cut for ``parts`` replicas: one row (at its true length) per piece for
-    one-prompt backends, contiguous chunks at the batch's own width for batched ones."""
-    if not batched:
-        return unpad(tokens)
-    return [tokens[a:b] for a, b in chunk_bounds(tokens.shape[0], parts)]
-
-
-def join_captured(parts: list[Captured], tokens: np.ndarray, selected: bool) -> Captured:
-    """The pieces' captures (in :func:`split_rows` order) put back together as the padded batch
-    ``tokens`` (``selected``: the pieces hold a positions selection)."""
-    if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
-        return parts[0]
-    tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
-    held = [torch.from_numpy(np.array(p.positions)) for p in parts] if selected else None
-    joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
-                                     tokens.shape[1], held)
-    return Captured(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
 
 
 class RayExecutor:

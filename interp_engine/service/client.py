@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..actors.coordinator import join_captured, split_rows
-from ..actors.wire import unpack_dict
+from ..batching import join_captured, split_rows
+from ..wire import unpack_dict
 from ..cache import Cache
-from ..edits_wire import to_plain
+from ..wire import edits_for_replica
 from ..errors import InputError
 from ..model import CaptureModel, Completion
 from ..tokens import Tokenizer
@@ -86,14 +86,14 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         if not detach:
             raise InputError("detach=False needs gradients, which do not cross processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        points, spec, plain = _points(addresses), _spec(positions), to_plain(edits)
+        points, spec, plain = _points(addresses), _spec(positions), edits_for_replica(edits)
         parts = self._map(lambda rows: self.transport.run(rows, points, spec, plain), self._pieces(tokens))
         captured = join_captured(parts, tokens.numpy(), positions is not None)
         return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
 
     def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
         generated = self.transport.generate(tokens.numpy(), _points(addresses), dataclasses.asdict(options),
-                                            _spec(positions), to_plain(edits))
+                                            _spec(positions), edits_for_replica(edits))
         return self._completion(generated)
 
     def _completion(self, generated):
@@ -104,7 +104,7 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
 
     async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        points, spec, plain = _points(addresses), _spec(positions), to_plain(edits)
+        points, spec, plain = _points(addresses), _spec(positions), edits_for_replica(edits)
         if options is None:
             result = await self.transport.arun(tokens.numpy(), points, spec, plain)
         else:
@@ -113,7 +113,7 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
 
     async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
         generated = await self.transport.agenerate(tokens.numpy(), _points(addresses), dataclasses.asdict(options),
-                                                   _spec(positions), to_plain(edits))
+                                                   _spec(positions), edits_for_replica(edits))
         return self._completion(generated)
 
     def close(self) -> None:

@@ -64,8 +64,9 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
     from ..actors.replica import ReplicaSpec
     from ..capabilities import backend_class
     from ..dtypes import dtype_name
-    from ..placement import connect
-    from .replica import DEPLOYMENT, CaptureReplica
+    from ..cluster.placement import connect
+    from .replica import CaptureReplica
+    from .status import DEPLOYMENT
 
     _check_name(name)
     scaling = _scaling(replicas, min_replicas, max_replicas)
@@ -113,7 +114,7 @@ def shutdown(name: str) -> None:
     running for other services. Unknown names are an error that lists the running services."""
     from ray import serve as ray_serve
 
-    from ..placement import connect
+    from ..cluster.placement import connect
     from .auth import token_path
 
     connect()

@@ -22,8 +22,8 @@ import json
 import numpy as np
 import torch
 
-from ..actors.wire import Captured, Generated
-from ..dtypes import Packed
+from ..wire import CaptureReply, GenerationReply
+from ..wire import Packed
 from ..errors import InternalError
 
 FORMAT = "interp_engine.capture/1"
@@ -57,7 +57,7 @@ def tensor_from_json(data: dict) -> np.ndarray:
 
 # -- edits and positions as JSON ----------------------------------------------------------------
 def edits_to_json(plain: dict | None) -> dict | None:
-    """Checked edits in their plain form (:func:`interp_engine.edits_wire.to_plain`) as JSON."""
+    """Checked edits in their plain form (:func:`interp_engine.wire.edits_for_replica`) as JSON."""
     if not plain:
         return None
     out = {}
@@ -74,7 +74,7 @@ def edits_to_json(plain: dict | None) -> dict | None:
 
 
 def edits_from_json(edits: dict | None) -> dict | None:
-    """The plain form (:func:`interp_engine.edits_wire.from_plain` reads it) of JSON edits."""
+    """The plain form (:func:`interp_engine.wire.edits_from_replica` reads it) of JSON edits."""
     if not edits:
         return None
     out = {}
@@ -93,7 +93,7 @@ def edits_from_json(edits: dict | None) -> dict | None:
 
 
 # -- capture responses as safetensors -----------------------------------------------------------
-def encode_capture(result: Captured | Generated, points: list[str] | None = None) -> bytes:
+def encode_capture(result: CaptureReply | GenerationReply, points: list[str] | None = None) -> bytes:
     """One capture (or generation) result as the bytes of a safetensors file (see the module doc)."""
     from safetensors.torch import save
 
@@ -102,13 +102,13 @@ def encode_capture(result: Captured | Generated, points: list[str] | None = None
     if result.positions is not None:
         tensors["positions"] = torch.from_numpy(np.array(result.positions, dtype=np.int64))
     metadata = {"format": FORMAT, "points": json.dumps(points if points is not None else list(result.tensors))}
-    if isinstance(result, Generated):
+    if isinstance(result, GenerationReply):
         metadata["completion"] = json.dumps({"text": result.text, "token_ids": list(result.token_ids),
                                              "finish_reason": result.finish_reason})
     return save(tensors, metadata)
 
 
-def decode_capture(body: bytes) -> Captured | Generated:
+def decode_capture(body: bytes) -> CaptureReply | GenerationReply:
     """The result :func:`encode_capture` wrote."""
     from safetensors.torch import load
 
@@ -123,8 +123,8 @@ def decode_capture(body: bytes) -> Captured | Generated:
     positions = loaded["positions"].numpy() if "positions" in loaded else None
     if "completion" in metadata:
         done = json.loads(metadata["completion"])
-        return Generated(done["text"], list(done["token_ids"]), done["finish_reason"], tensors, tokens, positions)
-    return Captured(tensors, tokens, positions)
+        return GenerationReply(done["text"], list(done["token_ids"]), done["finish_reason"], tensors, tokens, positions)
+    return CaptureReply(tensors, tokens, positions)
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -4,7 +4,7 @@ Each Serve replica loads the model once (:class:`~interp_engine.actors.replica.R
 same code as a cluster model's replica) and answers two kinds of caller:
 
 - Ray clients (``connect(name)``) call its methods through a Serve ``DeploymentHandle``: ``run``,
-  ``generate``, ``facts`` ... with the cluster's wire format (:mod:`interp_engine.actors.wire`);
+  ``generate``, ``facts`` ... with the cluster's wire format (:mod:`interp_engine.wire`);
 - HTTP clients reach it through Serve's proxy: the FastAPI routes of :mod:`.http_api`, mounted
   with ``serve.ingress``.
 
@@ -22,18 +22,15 @@ import threading
 
 from ray import serve
 
-from .. import cancel
 from ..actors.replica import ReplicaCore, ReplicaSpec
-from ..actors.wire import Captured, Generated
+from ..wire import CaptureReply, GenerationReply
 from ..address import check_points, parse_address
-from ..dtypes import Packed
+from ..wire import Packed
 from ..positions import width_bound
 from . import compat
 from .http_api import app
 from .limits import Limits, itemsize, response_bound
-
-#: the deployment's name inside each service's Serve application
-DEPLOYMENT = "CaptureReplica"
+from .status import DEPLOYMENT as DEPLOYMENT
 
 
 class _Core(ReplicaCore):
@@ -89,10 +86,10 @@ class CaptureReplica:
         """The service's own facts (name, url, model, backend, limits) and this replica's id and pid."""
         return {**self.service, "replica": self.replica_id, "pid": os.getpid()}
 
-    async def run(self, tokens, points, positions=None, edits=None) -> Captured:
+    async def run(self, tokens, points, positions=None, edits=None) -> CaptureReply:
         return await self._in_thread(self.core.run, tokens, points, positions, edits)
 
-    async def generate(self, tokens, points, options: dict, positions=None, edits=None) -> Generated:
+    async def generate(self, tokens, points, options: dict, positions=None, edits=None) -> GenerationReply:
         return await self._in_thread(self.core.generate, tokens, points, options, positions, edits)
 
     async def write_shard(self, spec, index: int, texts: list[str]):

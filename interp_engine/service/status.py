@@ -4,6 +4,9 @@ replicas themselves (:func:`.compat.ongoing_requests`). Runs in any process conn
 
 from __future__ import annotations
 
+#: the deployment's name inside each service's Serve application
+DEPLOYMENT = "CaptureReplica"
+
 
 def service_status(name: str) -> dict:
     """One service: ``status`` (Serve's application status: RUNNING, DEPLOYING, DEPLOY_FAILED, ...),
@@ -31,8 +34,6 @@ def service_status(name: str) -> dict:
 def all_status() -> list[dict]:
     """:func:`service_status` of every service on the cluster (Serve applications whose deployment is ours)."""
     from ray import serve
-
-    from .replica import DEPLOYMENT
 
     apps = serve.status().applications
     return [service_status(name) for name, app in sorted(apps.items()) if DEPLOYMENT in app.deployments]

@@ -1,6 +1,6 @@
 """How a connected model reaches a deployed service: through Ray (a Serve ``DeploymentHandle``) or
 over HTTP (the API of :mod:`.http_api`; no Ray needed). Both offer the same calls, with the
-cluster's wire values (:class:`~interp_engine.actors.wire.Captured`, ``Generated``), so the model
+cluster's wire values (:class:`~interp_engine.wire.CaptureReply`, ``GenerationReply``), so the model
 on top (:mod:`.client`) does not know which it uses.
 
 Captures are idempotent, so a request that was lost — its replica died under it (Serve starts a
@@ -84,7 +84,7 @@ class RayTransport:
     def __init__(self, name: str, retry_timeout: float = RETRY_TIMEOUT_S):
         from ray import serve
 
-        from .replica import DEPLOYMENT
+        from .status import DEPLOYMENT
 
         self.name = name
         self.retry_timeout = retry_timeout
@@ -269,7 +269,7 @@ class HttpTransport:
 
     @staticmethod
     def _body(tokens, points, positions, edits) -> dict:
-        from ..positions import spec_to_json
+        from ..wire import spec_to_json
         from .http_wire import edits_to_json
 
         return {"tokens": tokens.tolist(), "points": list(points), "positions": spec_to_json(positions),

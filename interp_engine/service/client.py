@@ -182,9 +182,10 @@ def _join_cluster() -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     if not address:
-        raise ServiceError("connect(name) reaches a service through the Ray cluster it runs on, and this process is "
-                           "connected to none: call ray.init(address=...) first or set RAY_ADDRESS, or connect over "
-                           "HTTP with connect(url, token=...)")
+        raise ServiceError("a service is reached by name through the Ray cluster it runs on, and this process is "
+                           "connected to none: call ray.init(address=...) first or set RAY_ADDRESS (python "
+                           "cluster/local_cluster.py env prints it for a local cluster), or connect over HTTP with "
+                           "connect(url, token=...)")
     ray.init(address=address, log_to_driver=False)
 
 

@@ -22,12 +22,7 @@ from ..errors import InputError, ServiceError
 from .auth import new_token, token_sha256, write_token
 from .limits import Limits
 
-#: Serve's per-replica concurrency: requests a replica runs at once (the eager backend still
-#: takes one forward at a time; a vLLM engine batches them)
-MAX_ONGOING = 8
-#: requests a caller (a proxy, a client's handle) may queue before it is answered 503 + Retry-After
-MAX_QUEUED = 64
-RETRY_AFTER_S = 1
+from .app import MAX_ONGOING, MAX_QUEUED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,44 +56,24 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
     """
     from ray import serve as ray_serve
 
-    from ..actors.replica import ReplicaSpec
-    from ..capabilities import backend_class
-    from ..dtypes import dtype_name
     from ..cluster.placement import connect
-    from .replica import CaptureReplica
+    from .app import application, scaling_of
     from .status import DEPLOYMENT
 
     _check_name(name)
-    scaling = _scaling(replicas, min_replicas, max_replicas)
+    scaling = scaling_of(replicas, min_replicas, max_replicas)
     limits = limits or Limits()
     connect()
     url = _start_serve(host, port) + f"/{name}"
-    import ray
-
-    tp = int(backend_options.get("tensor_parallel_size", 1))
-    if gpus_per_replica is None:
-        gpus_per_replica = tp if ray.cluster_resources().get("GPU", 0) and device in (None, "cuda") else 0
-    if device is None and gpus_per_replica and backend_class(backend).capabilities.takes_device:
-        device = "cuda"
-    spec = ReplicaSpec(str(model), backend, dtype_name(dtype), device, tuple(sorted(backend_options.items())),
-                       torch_threads)
     token = new_token()
-    actor = {"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica}
-    if env_vars:
-        actor["runtime_env"] = {"env_vars": {k: str(v) for k, v in env_vars.items()}}
-    count = scaling.get("num_replicas") or scaling["autoscaling_config"]["min_replicas"]
-    facts = {"name": name, "url": url, "model": str(model), "backend": backend, "replicas": count,
-             "limits": dataclasses.asdict(limits)}
-    deployment = ray_serve.deployment(
-        CaptureReplica, name=DEPLOYMENT, ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
-        max_queued_requests=max_queued_requests,
-        backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
-        max_constructor_retry_count=count,
-        health_check_period_s=2, health_check_timeout_s=30, **scaling)
-    application = deployment.bind(spec, token_sha256(token), limits, facts)
+    bound, count = application(model, name, url, token_sha256(token), backend=backend, scaling=scaling, limits=limits,
+                               dtype=dtype, device=device, gpus_per_replica=gpus_per_replica,
+                               cpus_per_replica=cpus_per_replica, torch_threads=torch_threads, env_vars=env_vars,
+                               max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
+                               **backend_options)
     started = time.monotonic()
     try:
-        ray_serve.run(application, name=name, route_prefix=f"/{name}", blocking=False)
+        ray_serve.run(bound, name=name, route_prefix=f"/{name}", blocking=False)
     except RuntimeError as err:
         why = _replica_error(name, err)
         _forget(name)
@@ -131,24 +106,6 @@ def _check_name(name) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
         raise InputError(f"a service name must be 1-64 letters, digits, '_', '.' or '-' (starting with a letter or "
                          f"digit): it becomes the URL path /NAME; got {name!r}")
-
-
-def _scaling(replicas, min_replicas, max_replicas) -> dict:
-    def positive(value, what):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{what} must be a positive int, got {value!r}")
-
-    if min_replicas is None and max_replicas is None:
-        positive(replicas, "replicas")
-        return {"num_replicas": replicas}
-    low = replicas if min_replicas is None else min_replicas
-    high = max_replicas if max_replicas is not None else low
-    positive(low, "min_replicas")
-    positive(high, "max_replicas")
-    if high < low:
-        raise InputError(f"max_replicas={high} is below min_replicas={low}")
-    return {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "initial_replicas": low,
-                                   "target_ongoing_requests": 2, "upscale_delay_s": 2, "downscale_delay_s": 60}}
 
 
 def _start_serve(host: str, port: int) -> str:

@@ -30,7 +30,6 @@ from ..positions import width_bound
 from . import compat
 from .http_api import app
 from .limits import Limits, itemsize, response_bound
-from .status import DEPLOYMENT as DEPLOYMENT
 
 
 class _Core(ReplicaCore):

@@ -142,8 +142,29 @@ def test_a_connection_is_a_capture_model(service, eager_models):
     assert Path(service.token_path).stat().st_mode & 0o777 == 0o600
 
 
+def test_build_dataset_through_a_connection_equals_a_local_build(service, eager_models, tmp_path):
+    """Through Ray the deployed replicas write the shards (no replica is started: the manifest names
+    the service's own processes); over HTTP the client writes them. Both equal a local build."""
+    from interp_engine import build_dataset
+
+    from .oracles import torch_threads
+
+    eager = eager_models("llama")
+    prompts = [service_client.PROMPTS[i % 6] * (1 + i % 3) for i in range(12)]
+    with torch_threads(REPLICA["torch_threads"]):
+        local = build_dataset(eager, prompts, ["resid_post.1"], tmp_path / "local", shard_size=4, progress=False)
+    ray_model = connect(NAME)
+    served = {ray_model.transport.call("describe")["pid"] for _ in range(20)}
+    through_ray = build_dataset(ray_model, prompts, ["resid_post.1"], tmp_path / "ray", shard_size=4, progress=False)
+    assert through_ray.to_arrow().equals(local.to_arrow())
+    assert {rec["pid"] for rec in through_ray.manifest["shards"].values()} <= served
+    over_http = build_dataset(connect(service.url, token=service.token), prompts, ["resid_post.1"], tmp_path / "http",
+                              shard_size=4, progress=False)
+    assert over_http.to_arrow().equals(local.to_arrow())
+
+
 def test_every_request_needs_the_bearer_token(service):
-    for path in ("/info", "/docs", "/openapi.json", "/nowhere"):
+    for path in ("/info", "/ping", "/docs", "/openapi.json", "/nowhere"):
         status, headers, _ = _http(service, "GET", path, token=None)
         assert status == 401 and headers["WWW-Authenticate"] == "Bearer", path
         assert _http(service, "GET", path, token="x" + service.token)[0] == 403, path

@@ -155,6 +155,12 @@ REFUSED = (InputError, AddressError, ValueError, TypeError, KeyError)
 
 
 # -- routes -------------------------------------------------------------------------------------
+@app.get("/ping")
+async def ping() -> dict[str, int]:
+    """The answering replica's process id: a cheap authenticated round trip."""
+    return {"pid": await replica().ping()}
+
+
 @app.get("/info")
 async def info() -> dict[str, Any]:
     """The model's shape, capabilities, dtype and tokenizer files (base64), and the service's facts."""

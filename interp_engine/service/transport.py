@@ -170,6 +170,9 @@ class RayTransport:
     def weights_sha256(self) -> str:
         return self.call("weights_sha256")
 
+    def ping(self) -> int:
+        return self.call("ping")
+
     def status(self) -> dict:
         from .status import service_status
 
@@ -311,6 +314,9 @@ class HttpTransport:
 
     def weights_sha256(self) -> str:
         return json.loads(self.request("GET", "/fingerprint"))["weights_sha256"]
+
+    def ping(self) -> int:
+        return json.loads(self.request("GET", "/ping"))["pid"]
 
     def status(self) -> dict:
         return json.loads(self.request("GET", "/status"))

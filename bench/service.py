@@ -90,14 +90,17 @@ def main() -> None:
           f"1 torch thread everywhere; {args.reps} alternating repetitions", flush=True)
     runs = {"local": lambda: run_with_cache(local, tokens, [args.point]),
             "ray": lambda: run_with_cache(ray_model, tokens, [args.point]),
-            "http": lambda: run_with_cache(http_model, tokens, [args.point])}
+            "http": lambda: run_with_cache(http_model, tokens, [args.point]),
+            "ray ping": lambda: ray_model.transport.ping(),
+            "http ping": lambda: http_model.transport.ping()}
     wall, _ = _quiet(alternate, runs, args.reps)
     ms = {k: median(v) * 1e3 for k, v in wall.items()}
     paired = {k: statistics.median((a - b) * 1e3 for a, b in zip(wall[k], wall["local"])) for k in ("ray", "http")}
     http_over_ray = statistics.median((a - b) * 1e3 for a, b in zip(wall["http"], wall["ray"]))
-    print(f"   median ms: local {ms['local']:.2f}, ray {ms['ray']:.2f}, http {ms['http']:.2f}")
+    print("   median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     print(f"   overhead per request over the local call (median of paired differences): ray {paired['ray']:.2f} ms, "
           f"http {paired['http']:.2f} ms; http over ray {http_over_ray:.2f} ms")
+    print(f"   (a ping: one round trip to a replica that does nothing, the floor of each path)")
 
     print(f"2. load: {args.seconds:g} s per row, clients are threads of this process", flush=True)
     print(f"   {'path':<6} {'replicas':>8} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")

@@ -173,6 +173,12 @@ def test_every_request_needs_the_bearer_token(service):
     status, _, body = _http(service, "GET", "/openapi.json")
     assert status == 200 and {"/capture", "/generate", "/info"} <= set(json.loads(body)["paths"])
     assert _http(service, "GET", "/docs")[0] == 200
+    for path, body in (("/-/healthz", b"success"), ("/-/routes", json.dumps({f"/{NAME}": NAME}, separators=(",", ":")).encode())):
+        host, port = service.url.split("//")[1].split("/")[0].split(":")  # Serve's own paths, documented as open
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("GET", path)
+        answer = connection.getresponse()
+        assert answer.status == 200 and body in answer.read().replace(b" ", b""), path
     with pytest.raises(ServiceAuthError, match="not this service's"):
         connect(service.url, token="wrong")
 
@@ -228,26 +234,34 @@ def test_every_socket_binds_loopback(service):
 
 
 def test_a_replica_killed_under_load_loses_no_request(service, eager_models):
-    """SIGKILL one replica while Ray and HTTP clients send 48 captures: Serve starts a new one,
-    the clients send what was lost again, and every caller gets the right answer."""
+    """SIGKILL one replica once 8 of 64 generations (from Ray and HTTP clients) are done: Serve
+    starts a new one, the clients send what was lost again (they did: ``resent``), and every
+    caller gets the right answer."""
     import signal
 
+    from interp_engine import capture_generation
+
     eager = eager_models("llama")
-    tokens = [eager.to_tokens(service_client.PROMPTS[i % 6]) for i in range(48)]
-    want = [run_with_cache(eager, t, ["resid_post.2"])["resid_post.2"] for t in tokens]
+    prompts = [eager.to_tokens(p) for p in service_client.PROMPTS]
+    want = [capture_generation(eager, t, ["resid_post.2"], max_tokens=16, stop_at_eos=False) for t in prompts]
     clients = [connect(NAME), connect(service.url, token=service.token)]
     victim = clients[0].transport.call("describe")["pid"]
 
     def one(i):
-        return run_with_cache(clients[i % 2], tokens[i], ["resid_post.2"])["resid_post.2"]
+        return capture_generation(clients[i % 2], prompts[i % 6], ["resid_post.2"], max_tokens=16, stop_at_eos=False)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, i) for i in range(48)]
-        time.sleep(0.5)
-        os.kill(victim, signal.SIGKILL)
-        got = [f.result(timeout=300) for f in futures]
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_near(g, w, f"request {i}")
+        futures = [pool.submit(one, i) for i in range(64)]
+        done = 0
+        for _ in concurrent.futures.as_completed(futures):
+            done += 1
+            if done == 8:
+                os.kill(victim, signal.SIGKILL)
+        got = [f.result() for f in futures]
+    assert sum(c.transport.resent for c in clients) >= 1  # the kill did cost requests, which were sent again
+    for i, (completion, cache) in enumerate(got):
+        assert completion.token_ids == want[i % 6][0].token_ids
+        assert_near(cache["resid_post.2"], want[i % 6][1]["resid_post.2"], f"request {i}")
     deadline = time.monotonic() + 120
     while clients[0].status()["replicas"] != {"RUNNING": 2} and time.monotonic() < deadline:
         time.sleep(1)

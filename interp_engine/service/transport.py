@@ -89,6 +89,8 @@ class RayTransport:
         self.name = name
         self.retry_timeout = retry_timeout
         self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=name)
+        #: requests sent again after they were lost or refused for load
+        self.resent = 0
 
     def _lost(self, err: BaseException) -> Lost | None:
         from ray.exceptions import ActorUnavailableError, RayActorError
@@ -120,6 +122,7 @@ class RayTransport:
                 if lost is None:
                     raise
             retry.wait(lost)
+            self.resent += 1
 
     async def acall(self, method: str, *args):
         from ray.exceptions import RayTaskError
@@ -141,6 +144,7 @@ class RayTransport:
                 if lost is None:
                     raise
             await retry.await_(lost)
+            self.resent += 1
 
     def facts(self) -> Facts:
         replica = self.call("facts")
@@ -197,6 +201,8 @@ class HttpTransport:
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self._local = threading.local()
+        #: requests sent again after they were lost or refused for load
+        self.resent = 0
 
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
@@ -228,6 +234,7 @@ class HttpTransport:
                 return self._answer(status, headers, data, path)
             except Lost as lost:
                 retry.wait(lost)
+                self.resent += 1
 
     def _answer(self, status: int, headers, data: bytes, path: str) -> bytes:
         if status == 200:

@@ -303,3 +303,29 @@ def test_a_model_that_cannot_load_fails_serve_with_its_error(cluster, tmp_path):
     assert time.monotonic() - started < 120
     with pytest.raises(ServiceError, match="no service 'missing'"):
         connect("missing")
+
+
+def test_the_serve_config_file_builds_a_working_service(service, tiny_path):
+    """cluster/service.yaml validates as a Serve config, and its builder, given the file's own args
+    (the model swapped for the tiny one), deploys a service that answers with the token it wrote."""
+    import yaml
+    from ray import serve as ray_serve
+    from ray.serve.schema import ServeDeploySchema
+
+    from interp_engine.service.app import build
+    from interp_engine.service.auth import token_path
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "cluster/service.yaml").read_text()))
+    assert config.http_options.host == "127.0.0.1" and config.proxy_location == "HeadOnly"
+    (app,) = config.applications
+    assert app.import_path == "interp_engine.service.app:build" and app.args["name"] == app.name
+    args = {**app.args, "name": "from-config", "model": str(tiny_path("llama")), "replicas": 1, "cpus_per_replica": 0.5}
+    ray_serve.run(build(args), name="from-config", route_prefix="/from-config")
+    try:
+        token = token_path("from-config").read_text()
+        assert token_path("from-config").stat().st_mode & 0o777 == 0o600
+        model = connect(service.url.replace(NAME, "from-config"), token=token)
+        assert model.service["limits"]["max_prompts"] == app.args["limits"]["max_prompts"]
+        assert model.n_layers == 3 and model.status()["replicas"] == {"RUNNING": 1}
+    finally:
+        shutdown("from-config")

@@ -38,6 +38,7 @@ from .protocol import CaptureBackend as CaptureBackend
 from .protocol import HasOProj as HasOProj
 from .protocol import HasUnembedding as HasUnembedding
 from .protocol import WritesShards as WritesShards
+<<<<<<< HEAD
 from .moe import expert_assignment as expert_assignment
 from .service import Limits as Limits
 from .service import ServiceInfo as ServiceInfo
@@ -45,6 +46,9 @@ from .service import ServiceModel as ServiceModel
 from .service import connect as connect
 from .service import serve as serve
 from .service import shutdown as shutdown
+=======
+from .routing import expert_assignment as expert_assignment
+>>>>>>> main
 from .tokens import PAD_ID as PAD_ID
 
 from .errors import AddressError as AddressError
@@ -72,6 +76,7 @@ from .errors import ServiceAuthError as ServiceAuthError
 from .errors import ServiceError as ServiceError
 from .errors import ShardFailed as ShardFailed
 from .errors import StorageError as StorageError
+from .errors import UnsupportedModel as UnsupportedModel
 from .errors import UnsupportedVllmVersion as UnsupportedVllmVersion
 
 from .version import VERSION as __version__

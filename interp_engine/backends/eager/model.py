@@ -8,19 +8,21 @@ after the last requested layer when the logits are not asked for.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
 
 from interp_engine import cancel
 from interp_engine.address import Address
-from interp_engine.archs import arch_for, model_info, unserved_sites
+from interp_engine.archs import arch_for, describe, model_info, record_for_model, unserved_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.dtypes import dtype_name
 from interp_engine.errors import InputError
-from interp_engine.model import CaptureModel, Completion, Sampling
+from interp_engine.model import CaptureModel, Completion
 from interp_engine.positions import held_positions
+from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
 from . import attention
 from .recorder import Recorder, StopForward
@@ -62,9 +64,10 @@ class EagerModel(CaptureModel):
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
         self.dtype = dtype_name(hf_model.dtype)
-        self.arch = arch_for(hf_model.config)
-        self.info = model_info(hf_model.config, name)
-        self.capabilities = self.capabilities_for(hf_model.config)
+        self.arch = record_for_model(hf_model)
+        self.info = model_info(hf_model.config, name, self.arch)
+        self.capabilities = self.capabilities.serving(unserved_sites(self.arch.sites))
+        logging.getLogger("interp_engine").info("%s: %s", name, describe(self.arch, hf_model.config.model_type))
         self.tok = Tokenizer(hf_tokenizer)
         self.requires_grad = requires_grad
         self.hf.requires_grad_(requires_grad)
@@ -94,8 +97,9 @@ class EagerModel(CaptureModel):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def unembed_weight(self) -> torch.Tensor:
-        """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction."""
-        return self.arch.linear_weight(self.hf.get_submodule(self.arch.unembed).weight)
+        """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction (the
+        unembedding is an ``nn.Linear`` in every family, whatever its layers' projections are)."""
+        return self.hf.get_submodule(self.arch.unembed).weight
 
     def unembed_weights(self):
         """The final norm's and the unembedding's weights as plain tensors (what a replica sends)."""
@@ -120,7 +124,11 @@ class EagerModel(CaptureModel):
         return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
                         positions=positions, edits=edits)
 
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
+    def _execute(self, request: Request):
+        if request.options is not None:
+            return self._generate(request)
+        tokens, addresses, detach = request.tokens, list(request.points), request.detach
+        positions, edits = request.positions, request.edits
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
         with self._lock, self._grad_context(detach):
@@ -145,9 +153,11 @@ class EagerModel(CaptureModel):
             recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
         return Cache(recorded, tokens, mask, self.name, self.backend)
 
-    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
+    def _generate(self, request: Request):
         from transformers import DynamicCache
 
+        tokens, addresses, options = request.tokens, list(request.points), request.options
+        positions, edits = request.positions, request.edits
         generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         generated: list[int] = []
         finish = "length"
@@ -174,15 +184,6 @@ class EagerModel(CaptureModel):
         completion = Completion(self.tok.decode(generated), generated, finish)
         held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
         return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)
-
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        if options is None:
-            cache = await cancel.in_thread(self._run, tokens, addresses, detach=True, positions=positions,
-                                           edits=edits)
-        else:
-            _, cache = await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions,
-                                              edits=edits)
-        return cache.to_dict()
 
     def close(self):
         pass

@@ -12,7 +12,7 @@ Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``
 attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
 ``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``); on MoE families
 ``router_logits`` and, where the router's selection is read from the call that hands it to the
-expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.worker.moe`, docs/MOE.md). ``pattern`` is never formed
+expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.worker.experts`, docs/MOE.md). ``pattern`` is never formed
 by vLLM's fused attention, and vLLM builds no autograd graph: both are clear errors.
 
 A prefill-only capture (``run_with_cache``, ``model.capture`` without ``max_tokens``) runs only
@@ -31,13 +31,14 @@ import torch
 
 from interp_engine import cancel
 from interp_engine.address import Address
-from interp_engine.archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
+from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.model import CaptureModel, Completion, Sampling
 from interp_engine.positions import Selection, held_positions
+from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
-from interp_engine.errors import InputError, InternalError
+from interp_engine.errors import InputError, InternalError, UnsupportedModel
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
 from interp_engine.wire import WorkerRequest, edit_for_worker
 from ..heads import split_heads
@@ -98,7 +99,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def capabilities_for(cls, hf_config) -> Capabilities:
         """The capabilities of a model with this config before its engine starts (the engine may
         find more sites it cannot read exactly)."""
-        return cls.capabilities.serving(unserved_sites(vllm_sites(arch_for(hf_config).family)))
+        arch = arch_for(hf_config)
+        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)), arch.vllm_refused)
 
     @classmethod
     def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,
@@ -130,8 +132,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _fetch_unembedding(self) -> UnembedWeights:
         """The final norm (identical on every rank) and the unembedding, its vocabulary shards
         joined in rank order with vLLM's vocabulary padding cut off."""
-        heads = [self.arch.unembed, self.arch.embed]
-        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
+        heads = [self.arch.vllm_path("unembed"), self.arch.vllm_path("embed")]
+        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.vllm_path("final_norm"), heads)
         weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
         return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)
 
@@ -149,8 +151,15 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         return tokens, addresses
 
     # -- the calls ------------------------------------------------------------------------------
-    def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None,
-                positions: Selection | None, edits: dict | None = None):
+    def _submit(self, request: Request):
+        """Post a checked request to the engine thread; its future holds the finished request."""
+        if not request.detach:
+            raise InputError(
+                "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
+                "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
+            )
+        tokens, addresses, options = request.tokens, list(request.points), request.options
+        positions, edits = request.positions, request.edits
         wire = sorted({str(self._read_as(a)) for a in addresses})
         layers = self._depth(addresses, edits) if options is None and self.shortens else None
         request = WorkerRequest(
@@ -169,45 +178,32 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         layers = max(a.layer for a in read) + 1
         return layers if layers < self.info.n_layers else None
 
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
-        if not detach:
-            raise InputError(
-                "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
-                "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
-            )
-        finished = cancel.wait(self._submit(tokens, addresses, None, positions, edits))
-        return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
+    def _execute(self, request: Request):
+        return self._result(cancel.wait(self._submit(request)), request)
+
+    async def _execute_async(self, request: Request):
+        return self._result(await asyncio.wrap_future(self._submit(request)), request)
+
+    def _result(self, finished: Finished, r: Request):
+        if r.options is None:
+            return self._cache(finished, r.tokens, list(r.points), r.positions, r.tokens.shape[1])
+        return self._completion(finished, r.tokens, list(r.points), r.positions)
 
     def run_many(self, rows, points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
         batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
-        Each row is checked first: a bad one fails the call before any is submitted."""
-        calls = []
-        for row in rows:
-            tokens, addresses = self.check(row, points)
-            calls.append((tokens, addresses, self._selection(tokens, positions), self._edits(edits, tokens)))
-        futures = [self._submit(tokens, addresses, None, held, planned) for tokens, addresses, held, planned in calls]
+        Each row is checked first: a bad one fails the call before any is submitted (the points
+        once for all rows)."""
+        points = self.check_points(points)
+        calls = [self.request(row, points, positions=positions, edits=edits) for row in rows]
+        futures = [self._submit(r) for r in calls]
         try:
-            return [self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1])
-                    for future, (tokens, addresses, held, _) in zip(futures, calls)]
+            return [self._cache(cancel.wait(future), r.tokens, list(r.points), r.positions, r.tokens.shape[1])
+                    for future, r in zip(futures, calls)]
         except BaseException:
             for future in futures:  # the engine loop aborts each cancelled request
                 future.cancel()
             raise
-
-    def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = cancel.wait(self._submit(tokens, addresses, options, positions, edits))
-        return self._completion(finished, tokens, addresses, positions)
-
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions, edits))
-        if options is None:
-            return self._cache(finished, tokens, addresses, positions, tokens.shape[1]).to_dict()
-        return self._completion(finished, tokens, addresses, positions)[1].to_dict()
-
-    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions, edits))
-        return self._completion(finished, tokens, addresses, positions)
 
     def close(self) -> None:
         self._finalizer()
@@ -279,6 +275,10 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path)
+    if not has_record(config):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} has no family record, and the generic path (a record found and proven "
+            f"on the loaded model) runs on backend='eager' only; load it with backend='eager'")
     info = model_info(config, name)
     vllm_sites(arch_for(config).family)  # an unsupported family fails before the engine starts
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -288,6 +288,8 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
             f"tensor_parallel_size={tensor_parallel_size} must divide the {info.n_heads} attention heads of {name}"
         )
     max_model_len = int(max_model_len or info.n_ctx)
+    if arch_for(config).vllm_transformers_backend:  # its rewrite of the HF classes stays in the worker's process
+        options.setdefault("distributed_executor_backend", "mp")
     options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
     llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options))
     try:

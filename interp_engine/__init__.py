@@ -38,17 +38,13 @@ from .protocol import CaptureBackend as CaptureBackend
 from .protocol import HasOProj as HasOProj
 from .protocol import HasUnembedding as HasUnembedding
 from .protocol import WritesShards as WritesShards
-<<<<<<< HEAD
-from .moe import expert_assignment as expert_assignment
+from .routing import expert_assignment as expert_assignment
 from .service import Limits as Limits
 from .service import ServiceInfo as ServiceInfo
 from .service import ServiceModel as ServiceModel
 from .service import connect as connect
 from .service import serve as serve
 from .service import shutdown as shutdown
-=======
-from .routing import expert_assignment as expert_assignment
->>>>>>> main
 from .tokens import PAD_ID as PAD_ID
 
 from .errors import AddressError as AddressError

@@ -25,6 +25,7 @@ from ..cache import Cache
 from ..wire import edits_for_replica
 from ..errors import InputError
 from ..model import CaptureModel, Completion
+from ..request import Request
 from ..tokens import Tokenizer
 from ..unembedding import FetchedUnembedding
 
@@ -82,39 +83,36 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="interp-service")
         return list(self._pool.map(fn, pieces))
 
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
-        if not detach:
+    def _parts(self, r: Request):
+        """What every piece of the request carries: its points as strings, positions spec and edits as data."""
+        if not r.detach:
             raise InputError("detach=False needs gradients, which do not cross processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        points, spec, plain = _points(addresses), _spec(positions), edits_for_replica(edits)
-        parts = self._map(lambda rows: self.transport.run(rows, points, spec, plain), self._pieces(tokens))
-        captured = join_captured(parts, tokens.numpy(), positions is not None)
-        return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
+        return list(r.points.strings()), _spec(r.positions), edits_for_replica(r.edits)
 
-    def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
-        generated = self.transport.generate(tokens.numpy(), _points(addresses), dataclasses.asdict(options),
-                                            _spec(positions), edits_for_replica(edits))
-        return self._completion(generated)
+    def _execute(self, request: Request):
+        points, spec, edits = self._parts(request)
+        if request.options is not None:
+            return self._completion(self.transport.generate(request.tokens.numpy(), points,
+                                                            dataclasses.asdict(request.options), spec, edits))
+        parts = self._map(lambda rows: self.transport.run(rows, points, spec, edits), self._pieces(request.tokens))
+        return self._cache(join_captured(parts, request.tokens.numpy(), request.positions is not None), request.tokens)
 
-    def _completion(self, generated):
+    async def _execute_async(self, request: Request):
+        points, spec, edits = self._parts(request)
+        if request.options is not None:
+            return self._completion(await self.transport.agenerate(request.tokens.numpy(), points,
+                                                                   dataclasses.asdict(request.options), spec, edits))
+        return self._cache(await self.transport.arun(request.tokens.numpy(), points, spec, edits), request.tokens)
+
+    def _cache(self, reply, tokens) -> Cache:
+        return Cache(unpack_dict(reply.tensors), tokens, None, self.name, self.backend, _held(reply))
+
+    def _completion(self, reply):
         import torch
 
-        completion = Completion(generated.text, list(generated.token_ids), generated.finish_reason)
-        fed = torch.from_numpy(np.array(generated.tokens, dtype=np.int64))
-        return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
-
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        points, spec, plain = _points(addresses), _spec(positions), edits_for_replica(edits)
-        if options is None:
-            result = await self.transport.arun(tokens.numpy(), points, spec, plain)
-        else:
-            result = await self.transport.agenerate(tokens.numpy(), points, dataclasses.asdict(options), spec, plain)
-        return unpack_dict(result.tensors)
-
-    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
-        generated = await self.transport.agenerate(tokens.numpy(), _points(addresses), dataclasses.asdict(options),
-                                                   _spec(positions), edits_for_replica(edits))
-        return self._completion(generated)
+        completion = Completion(reply.text, list(reply.token_ids), reply.finish_reason)
+        return completion, self._cache(reply, torch.from_numpy(np.array(reply.tokens, dtype=np.int64)))
 
     def close(self) -> None:
         """Drop this connection (the service keeps running; ``shutdown(name)`` ends it)."""

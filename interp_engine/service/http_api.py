@@ -154,6 +154,13 @@ def _refusal(err: Exception) -> JSONResponse:
 REFUSED = (InputError, AddressError, ValueError, TypeError, KeyError)
 
 
+@app.exception_handler(Exception)
+async def failure(request, err: Exception) -> JSONResponse:
+    """A failure inside the model: a 500 that says what failed, which clients do not send again
+    (a 500 without this body is a replica lost under the request, which they do)."""
+    return _error(500, "RemoteError", f"{type(err).__name__}: {err}")
+
+
 # -- routes -------------------------------------------------------------------------------------
 @app.get("/ping")
 async def ping() -> dict[str, int]:

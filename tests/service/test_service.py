@@ -19,6 +19,7 @@ import torch
 
 from interp_engine import (AddressError, LimitExceeded, Limits, ServiceAuthError, ServiceError, connect,
                            run_with_cache, serve, shutdown)
+from interp_engine.errors import RemoteError
 
 from .. import ray_exposure
 from ..oracles import assert_near
@@ -186,7 +187,8 @@ def test_every_request_needs_the_bearer_token(service):
 
 def test_bad_requests_get_the_librarys_errors(service, eager_models):
     """A request the model refuses is a 400 carrying the library's own error type and message;
-    a malformed body is a 422 naming the field; the Ray path raises the library's error itself."""
+    a malformed body is a 422 naming the field; both clients refuse it before sending, with the
+    same message; a failure inside the model is raised at once, never sent again."""
     eager = eager_models("llama")
     tokens = eager.to_tokens("abc")
     with pytest.raises(AddressError) as local:
@@ -198,8 +200,16 @@ def test_bad_requests_get_the_librarys_errors(service, eager_models):
     assert status == 400 and "top_p must be" in json.loads(body)["message"]
     status, _, body = _http(service, "POST", "/capture", {"tokens": "abc", "points": ["logits"]})
     assert status == 422 and "tokens" in body.decode()
-    with pytest.raises(AddressError, match="resid_post.9"):
-        connect(NAME).transport.run(tokens.numpy(), ["resid_post.9"])
+    for model in (connect(NAME), connect(service.url, token=service.token)):  # checked in the client, as locally
+        with pytest.raises(AddressError) as remote:
+            run_with_cache(model, tokens, ["resid_post.9"])
+        assert str(remote.value) == str(local.value)
+    started = time.monotonic()  # a failure inside the model is raised at once, never sent again
+    with pytest.raises(RemoteError, match="IndexError: index 99 is out of range"):
+        connect(service.url, token=service.token).o_proj_weight(99)
+    with pytest.raises(IndexError):
+        connect(NAME).o_proj_weight(99)
+    assert time.monotonic() - started < 60
 
 
 def test_limits_are_refused_with_413_naming_the_limit(service):

@@ -82,8 +82,8 @@ class CaptureReplica:
         return await self._in_thread(self.core.facts)
 
     async def describe(self) -> dict:
-        """The service's own facts (name, url, model, backend, limits) and this replica's id and pid."""
-        return {**self.service, "replica": self.replica_id, "pid": os.getpid()}
+        """The service's own facts (name, url, model, backend, limits) and this replica's id, pid and Ray node."""
+        return {**self.service, "replica": self.replica_id, "pid": os.getpid(), "node": self.core.node}
 
     async def run(self, tokens, points, positions=None, edits=None) -> CaptureReply:
         return await self._in_thread(self.core.run, tokens, points, positions, edits)

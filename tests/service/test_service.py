@@ -123,8 +123,11 @@ def test_clients_in_other_processes_equal_the_local_model(cluster, service, eage
 
 def test_a_connection_is_a_capture_model(service, eager_models):
     """Both connections answer what the local model answers: shape, tokens, points, the logit
-    lens (final norm and unembedding fetched from a replica), head contributions, status."""
-    from interp_engine import head_contributions, lens_top
+    lens (final norm and unembedding fetched from a replica), head contributions, an async
+    generation, status."""
+    import asyncio
+
+    from interp_engine import capture_generation, head_contributions, lens_top
 
     eager = eager_models("llama")
     for model in (connect(NAME), connect(service.url, token=service.token)):
@@ -137,6 +140,10 @@ def test_a_connection_is_a_capture_model(service, eager_models):
         assert torch.equal(lens_top(model, cache).ids, lens_top(eager, want).ids)
         assert torch.equal(model.unembed_weight(), eager.unembed_weight().detach())
         assert_near(head_contributions(model, cache, 1), head_contributions(eager, want, 1), "heads")
+        completion, generated = asyncio.run(model.capture_generation_async(tokens, ["resid_post.1"], max_tokens=3))
+        local, want_generated = capture_generation(eager, tokens, ["resid_post.1"], max_tokens=3)
+        assert completion.token_ids == local.token_ids
+        assert_near(generated["resid_post.1"], want_generated["resid_post.1"], "capture_generation_async")
         status = model.status()
         assert status["replicas"] == {"RUNNING": 2} and status["health"] == "HEALTHY" and len(status["queue"]) == 2
     assert service.token not in repr(service) and service.token not in repr(model)

@@ -87,7 +87,7 @@ FLOORS = [
     ("backends", ["interp_engine.backends"]),  # eager in the caller; vllm's worker/ inside vLLM's workers
     ("dataset", ["interp_engine.dataset"]),
     ("actors", ["interp_engine.actors"]),  # Ray worker processes (package-dir: actors/)
-    ("cluster", ["interp_engine.cluster"]),  # the driver side of a cluster: creates the actors
+    ("cluster", ["interp_engine.cluster", "interp_engine.service"]),  # the driver side of a cluster (creates the actors); the service
     ("entry", ["interp_engine", "interp_engine.loading", "interp_engine.jobs", "interp_engine.examples"]),
 ]
 

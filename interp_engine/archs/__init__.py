@@ -5,7 +5,8 @@ the address space which module of a layer to hook and whether to read that modul
 its output. The capture code of every backend reads these tables; it holds no branches on the
 family. A family that is not listed raises an error naming the ones that are.
 
-The tables live in ``dense.py``, ``moe.py`` and ``streams.py`` (built from the records in
+The tables live in ``dense.py``, ``normed.py`` (Gemma 1 / 3, OLMo 2 / 3), ``moe.py``,
+``gpt_oss.py`` and ``streams.py`` (built from the records in
 ``base.py``); :data:`FAMILIES` lists them explicitly, so importing this package does no work.
 Each family's ``Arch`` also holds the vLLM backend's reads (``Arch.vllm``, built in
 ``vllm_reads.py``): vLLM's layers fuse the residual add, so most of its reads differ. A family
@@ -15,7 +16,7 @@ whose layers have Llama's module names is served on both backends by one ``model
 from __future__ import annotations
 
 from ..address import SITES, ModelInfo
-from . import dense, moe, streams
+from . import dense, gpt_oss, moe, normed, streams
 from .base import LAYOUTS as LAYOUTS
 from .base import LOGITS as LOGITS
 from .base import Arch as Arch
@@ -25,7 +26,7 @@ from .base import group_sites as group_sites
 from .moe import moe_layers
 
 #: every supported family, in the order ``arch_for`` looks a model type up
-FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *moe.ARCHS, *streams.ARCHS)
+FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *normed.ARCHS, *moe.ARCHS, *gpt_oss.ARCHS, *streams.ARCHS)
 
 
 def arch_for(config, families: tuple[Arch, ...] = FAMILIES) -> Arch:

@@ -102,9 +102,9 @@ def test_mlp_out_is_the_weighted_experts(model, cache):
 
 
 def test_mlp_post_is_refused_on_moe_layers(model, tokens):
-    with pytest.raises(AddressError, match="mlp_post") as err:
+    with pytest.raises(AddressError, match="every GPT-OSS layer is an MoE layer") as err:
         run_with_cache(model, tokens, ["mlp_post.0"])
-    assert "router_logits" in str(err.value)
+    assert "use router_logits / expert_weights / expert_indices" in str(err.value)
 
 
 def test_edits_by_hand(model, tokens):

@@ -59,10 +59,13 @@ def test_every_served_point_matches_eager(pair):
     compare(got, want, points, vllm.info.n_experts)
 
 
-def test_pattern_is_refused(pair):
+def test_pattern_is_refused_and_mlp_post_on_moe_layers(pair):
     vllm, _ = pair
     with pytest.raises(AddressError, match="eager-only"):
         run_with_cache(vllm, vllm.to_tokens("hi"), ["pattern.0"])
+    if vllm.info.is_moe:
+        with pytest.raises(AddressError, match="MoE layer"):
+            run_with_cache(vllm, vllm.to_tokens("hi"), ["mlp_post.0"])
 
 
 def test_generated_positions_match_eager(pair):

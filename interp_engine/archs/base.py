@@ -105,8 +105,9 @@ class Arch:
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     #: why ``vllm`` leaves out a site that ``sites`` serves (shown when it is asked for on vLLM)
     vllm_refused: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) where vLLM's model
-    #: differs from the Hugging Face one (vLLM's Transformers backend keeps the decoder as ``model``)
+    #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) and the layer-level
+    #: ``o_proj`` where vLLM's model differs from the Hugging Face one (vLLM's Transformers backend
+    #: keeps the decoder as ``model``; vLLM's GPT-OSS names its attention block ``attn``)
     vllm_paths: dict[str, str] = dataclasses.field(default_factory=dict)
     #: config attributes that hold the MLP width, the head size and the KV-head count, in the order
     #: they are tried (the first that is set wins); without one: ``d_mlp_ratio * d_model``,
@@ -132,7 +133,7 @@ class Arch:
         return (getattr(config, self.logit_softcap, None) or None) if self.logit_softcap else None
 
     def vllm_path(self, name: str) -> str:
-        """The model-level path ``name`` (``"layers"``, ``"final_norm"``, ``"embed"``, ``"unembed"``)
+        """The path ``name`` (``"layers"``, ``"final_norm"``, ``"embed"``, ``"unembed"``, ``"o_proj"``)
         inside vLLM's model of this family."""
         return self.vllm_paths.get(name, getattr(self, name))
 

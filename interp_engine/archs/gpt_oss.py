@@ -14,10 +14,16 @@ MoE families (:mod:`.moe`). Each expert is a clamped SwiGLU whose gate and up pr
 stored interleaved (even / odd columns of ``gate_up_proj``), so there is no one ``mlp_post``:
 every layer is an MoE layer and ``mlp_post`` is refused, as on every MoE layer. The block returns
 ``(output, router_scores)``; ``mlp_out`` is the output.
+
+**On vLLM** (its own ``GptOssForCausalLM``): the attention block is ``attn`` (not ``self_attn``), the
+router ``mlp.router`` returns the logits alone, and the experts' runner selects through
+``router.select_experts`` as for the other MoE families (:func:`.vllm_reads.moe`). vLLM's attention
+kernel takes the sinks itself and never forms the probabilities, so ``pattern`` stays eager-only.
 """
 
 from __future__ import annotations
 
+from . import vllm_reads
 from .base import Arch, Hook
 from .dense import ATTENTION
 
@@ -35,4 +41,19 @@ GPT_OSS_SITES = {
     **ATTENTION,
 }
 
-ARCHS = (Arch("gpt_oss", ("gpt_oss",), GPT_OSS_SITES),)
+_MOE_ONLY = ("every GPT-OSS layer is an MoE layer, whose experts each have their own hidden activation (a "
+             "clamped SwiGLU over interleaved gate / up columns), so there is no one MLP neuron activation; for "
+             "the routing use router_logits / expert_weights / expert_indices")
+
+#: vLLM's reads: Llama's, with the attention block at ``attn`` and the router at ``mlp.router``
+VLLM_SITES = {
+    **{name: read for name, read in vllm_reads.moe("mlp").items() if name != "mlp_post"},
+    "attn_out": Hook("attn", "out", parts=(0,)),
+    "z": Hook("attn.o_proj", "in", parts=("input_",), shard="heads"),
+    **{name: Hook("attn.attn", "in", parts=(arg,), shard=shard)
+       for name, arg, shard in (("q", "query", "heads"), ("k", "key", "kv"), ("v", "value", "kv"))},
+    "router_logits": Hook("mlp.router", "out", parts=(0,)),
+}
+
+ARCHS = (Arch("gpt_oss", ("gpt_oss",), GPT_OSS_SITES, refused={"mlp_post": _MOE_ONLY}, vllm=VLLM_SITES,
+              vllm_attention="attn.attn", vllm_paths={"o_proj": "attn.o_proj"}),)

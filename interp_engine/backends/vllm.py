@@ -98,7 +98,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def capabilities_for(cls, hf_config) -> Capabilities:
         """The capabilities of a model with this config before its engine starts (the engine may
         find more sites it cannot read exactly)."""
-        return cls.capabilities.serving(unserved_sites(vllm_sites(arch_for(hf_config).family)))
+        arch = arch_for(hf_config)
+        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)), arch.vllm_refused)
 
     @classmethod
     def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,
@@ -108,7 +109,10 @@ class VllmModel(FetchedUnembedding, CaptureModel):
 
     def _check_geometry(self) -> None:
         """vLLM must run the model the config describes (some of its model classes ignore
-        ``head_dim``); otherwise its activations are not this model's."""
+        ``head_dim``); otherwise its activations are not this model's. Multi-head latent attention
+        has no per-head kernel geometry to compare (``Arch.vllm_attention`` is empty)."""
+        if not self.arch.vllm_attention:
+            return
         ranks = run_on_loop(self._loop, "interp_geometry", self.arch.vllm_attention)
         heads = sum(r["heads"] for r in ranks)
         head_size = ranks[0]["head_size"]

@@ -26,6 +26,7 @@ import torch
 
 from ..address import SITES, Address
 from ..archs import LOGITS, Group, Hook, arch_for, group_sites, model_info, vllm_sites
+from ..archs.base import submodule
 from . import vllm_compat, vllm_moe
 from .vllm_batch import BatchRows
 from .vllm_edits import EditBook
@@ -139,7 +140,7 @@ class WorkerRecorder:
         layer, path, phase = key
         if phase == "select":
             return vllm_moe.wrap_selection(self.layers[layer], path, self._output_hook(key))
-        module = self.layers[layer].get_submodule(path) if path else self.layers[layer]
+        module = submodule(self.layers[layer], path)
         if phase == "in":
             return module.register_forward_pre_hook(self._input_hook(key), with_kwargs=True)
         return module.register_forward_hook(self._output_hook(key))

@@ -23,9 +23,9 @@ from .edits import Add as Add
 from .edits import Scale as Scale
 from .edits import Set as Set
 from .edits import Zero as Zero
-from .dataset import ActivationDataset as ActivationDataset
-from .dataset import build_dataset as build_dataset
-from .dataset_export import export_saelens as export_saelens
+from .dataset.build import ActivationDataset as ActivationDataset
+from .dataset.build import build_dataset as build_dataset
+from .dataset.export import export_saelens as export_saelens
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens
@@ -63,6 +63,7 @@ from .errors import PromptsError as PromptsError
 from .errors import RoutingError as RoutingError
 from .errors import ShardFailed as ShardFailed
 from .errors import StorageError as StorageError
+from .errors import UnsupportedModel as UnsupportedModel
 from .errors import UnsupportedVllmVersion as UnsupportedVllmVersion
 
 from .version import VERSION as __version__

@@ -8,7 +8,7 @@ that cannot be found a ``FileNotFoundError``), so generic handlers keep working.
 :class:`InternalError` means an invariant of the library itself broke: a bug to report, whose
 message starts with ``"[Internal]"``.
 
-Errors raised in a replica cross the process boundary by type: ``actors/wire.relabel`` rebuilds
+Errors raised in a replica cross the process boundary by type: ``wire.relabel`` rebuilds
 the same class with the replica and shard in front of the message, so every class here must be
 constructible from its message alone.
 """
@@ -26,6 +26,12 @@ class AddressError(ValueError):
 
 class ModelNotFound(FileNotFoundError):
     """The name is neither a local folder, the embedded model, nor in the local HF cache."""
+
+
+class UnsupportedModel(ValueError):
+    """A model whose family no record names and that the generic path cannot serve either (no
+    decoder layers, final norm or unembedding found, or they do not behave as such on the probe);
+    the message says what is missing."""
 
 
 class AnalysisError(InputError):

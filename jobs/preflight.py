@@ -68,7 +68,7 @@ def _model_facts(folder, config: BuildConfig):
 
 
 def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
-    from interp_engine.dataset_prompts import PromptSource
+    from interp_engine.dataset.prompts import PromptSource
 
     source = PromptSource.of(config.prompts, config.text_key)
     if tokenizer is None:
@@ -78,9 +78,9 @@ def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
 
 
 def _check_output(config: BuildConfig) -> None:
-    from interp_engine.dataset_lease import inspect_free_output
-    from interp_engine.dataset_store import Store
-    from interp_engine.dataset_uri import check_access
+    from interp_engine.dataset.lease import inspect_free_output
+    from interp_engine.dataset.store import Store
+    from interp_engine.dataset.uri import check_access
 
     store = Store.of(config.output)
     check_access(store, explicit=False)

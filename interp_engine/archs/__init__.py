@@ -20,6 +20,7 @@ from ..address import SITES, ModelInfo
 from . import dense, gpt, gpt_oss, hybrid, mla, moe, normed, streams
 from .base import LAYOUTS as LAYOUTS
 from .base import LOGITS as LOGITS
+from .base import ONE as ONE
 from .base import Arch as Arch
 from .base import Group as Group
 from .base import Hook as Hook

@@ -21,7 +21,7 @@ class Hook:
     its attention layers and ``linear_attn`` on the others; see :func:`submodule`).
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
-    :mod:`interp_engine.backends.vllm_moe`).
+    :mod:`interp_engine.backends.vllm.worker.moe`).
     ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
     ``parts`` (vLLM) names the tensors whose *sum* is the site: forward arguments by parameter
     name for ``"in"``, output elements by index for ``"out"`` / ``"select"``; a part that is
@@ -46,6 +46,9 @@ class Hook:
 #: is vLLM's flat batch inside a batch axis of one (the Hugging Face modules that vLLM's
 #: Transformers backend runs)
 LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...")
+
+#: the layout of a vLLM read inside a batch axis of one (see ``LAYOUTS``)
+ONE = "1 (b p) ..."
 
 #: the model-level site, computed from the final hidden states (not read from a layer)
 LOGITS = "logits"
@@ -124,6 +127,11 @@ class Arch:
     vllm_unsupported: str = ""
     #: why ``vllm`` leaves out a site that ``sites`` serves (shown when it is asked for on vLLM)
     vllm_refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: vLLM runs this family through its Transformers backend (the Hugging Face modules inside
+    #: vLLM), which rewrites the Hugging Face decoder class in the process that runs it (its
+    #: ``__init__`` and ``__call__``, for torch.compile): an eager model of the family in that
+    #: process would break, so the vLLM backend gives such an engine's worker a process of its own
+    vllm_transformers_backend: bool = False
     #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) and the layer-level
     #: ``o_proj`` where vLLM's model differs from the Hugging Face one (vLLM's Transformers backend
     #: keeps the decoder as ``model``; vLLM's GPT-OSS names its attention block ``attn``)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compare import relative_error
+from ..errors import UnsupportedModel
 from .base import Arch, Hook
 
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
@@ -48,9 +49,10 @@ GENERIC_DIMS = dict(d_mlp_from=("intermediate_size", "n_inner", "ffn_dim", "d_ff
 PROBE_TOKENS = 8
 
 
-class NotDecoderOnly(ValueError):
-    """The model is not laid out as the generic path needs (no decoder layers, final norm or
-    unembedding found); the message says what is missing."""
+def _refuse(hf, problem: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"{problem}. model_type {getattr(hf.config, 'model_type', '?')!r} has no family record, and the generic path "
+        f"serves only models it can prove the layout of; add a family record in interp_engine/archs/")
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -71,8 +73,8 @@ def _layers(hf) -> str:
     found = [name for name, m in hf.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n
              and len({type(layer) for layer in m}) == 1]
     if not found:
-        raise NotDecoderOnly(f"no ModuleList of {n} decoder layers (config.num_hidden_layers) found in "
-                             f"{type(hf).__name__}")
+        raise _refuse(hf, f"no ModuleList of {n} decoder layers (config.num_hidden_layers) found in "
+                          f"{type(hf).__name__}")
     return min(found, key=lambda p: p.count("."))
 
 
@@ -111,7 +113,7 @@ class _Probe:
 
 def discover(hf) -> Arch:
     """A family record for the Hugging Face causal LM ``hf``, every site proven on a probe forward
-    (see the module docstring); :class:`NotDecoderOnly` if its layers, final norm or unembedding
+    (see the module docstring); :class:`UnsupportedModel` if its layers, final norm or unembedding
     cannot be found or do not behave as such."""
     config = hf.config
     model_type = getattr(config, "model_type", "?")
@@ -122,7 +124,7 @@ def discover(hf) -> Arch:
     unembed = _path_of(hf, hf.get_output_embeddings())
     embed = _path_of(hf, hf.get_input_embeddings())
     if unembed is None or embed is None:
-        raise NotDecoderOnly(f"{type(hf).__name__} has no output or input embedding module to unembed with")
+        raise _refuse(hf, f"{type(hf).__name__} has no output or input embedding module to unembed with")
     norms = [f"{stack_path}.{n}" if stack_path else n for n, m in stack.named_children()
              if "norm" in n.lower() or "ln" in n.lower() or "norm" in type(m).__name__.lower()]
     first = layers[0]
@@ -169,13 +171,13 @@ def _prove(hf, model_type: str, probe: _Probe, out, found: dict) -> Arch:
     if hidden is not None:
         chained = chained and all(_near(pre[i], hidden[i], tol) for i in range(n))
     if not chained:
-        raise NotDecoderOnly(f"the layers at {found['layers']} do not pass one residual stream from each to the next "
-                             f"(a layer's output is not the next one's input, or not the model's hidden state)")
+        raise _refuse(hf, f"the layers at {found['layers']} do not pass one residual stream from each to the next "
+                          f"(a layer's output is not the next one's input, or not the model's hidden state)")
     final_norm = next((p for p in found["norms"] if _unembeds(hf, p, found["unembed"], post[-1], out.logits, tol)),
                       None)
     if final_norm is None:
-        raise NotDecoderOnly(f"no final norm among {found['norms'] or 'the modules beside the layers'} gives the "
-                             f"model's logits from the last layer's output through {found['unembed']}")
+        raise _refuse(hf, f"no final norm among {found['norms'] or 'the modules beside the layers'} gives the "
+                          f"model's logits from the last layer's output through {found['unembed']}")
     sites = {"resid_pre": Hook("", "in"), "resid_post": Hook("", "out"), "resid_streams": Hook("", "out")}
     refused = {name: NO_ATTENTION_INTERNALS for name in ("q", "k", "v", "pattern")}
     attn, mlp = found["attn"], found["mlp"]

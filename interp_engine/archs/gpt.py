@@ -22,7 +22,7 @@ vLLM's flat batch), with vLLM's linear layers and attention kernel swapped in.
 
 from __future__ import annotations
 
-from .base import Arch, Hook
+from .base import ONE, Arch, Hook
 
 _ATTENTION_SITES = ("q", "k", "v", "pattern")
 
@@ -66,20 +66,17 @@ NEOX_PARALLEL_SITES = {
 
 NEOX_SEQUENTIAL_SITES = {**NEOX_PARALLEL_SITES, "resid_mid": Hook("post_attention_layernorm", "in")}
 
-#: the Transformers backend's tensors carry a batch axis of one around the flat tokens
-_ONE = "1 (b p) ..."
-
 NEOX_PARALLEL_VLLM = {
-    "resid_pre": Hook("", "in", parts=("hidden_states",), layout=_ONE),
-    "attn_out": Hook("attention", "out", parts=(0,), layout=_ONE),
-    "mlp_out": Hook("mlp", "out", parts=(0,), layout=_ONE),
-    "resid_post": Hook("", "out", parts=(0,), layout=_ONE),
-    "z": Hook("attention.dense", "in", parts=("input_",), shard="heads", layout=_ONE),
-    "mlp_post": Hook("mlp.dense_4h_to_h", "in", parts=("input_",), shard="cols", layout=_ONE),
+    "resid_pre": Hook("", "in", parts=("hidden_states",), layout=ONE),
+    "attn_out": Hook("attention", "out", parts=(0,), layout=ONE),
+    "mlp_out": Hook("mlp", "out", parts=(0,), layout=ONE),
+    "resid_post": Hook("", "out", parts=(0,), layout=ONE),
+    "z": Hook("attention.dense", "in", parts=("input_",), shard="heads", layout=ONE),
+    "mlp_post": Hook("mlp.dense_4h_to_h", "in", parts=("input_",), shard="cols", layout=ONE),
 }
 
 NEOX_SEQUENTIAL_VLLM = {**NEOX_PARALLEL_VLLM,
-                        "resid_mid": Hook("post_attention_layernorm", "in", parts=(0,), layout=_ONE)}
+                        "resid_mid": Hook("post_attention_layernorm", "in", parts=(0,), layout=ONE)}
 
 NO_RESID_MID = (
     "with use_parallel_residual=True attention and the MLP both read resid_pre, so no residual stream exists "
@@ -96,7 +93,7 @@ _NEOX = dict(
     layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm", embed="gpt_neox.embed_in",
     attention="attention", o_proj="attention.dense", vllm_attention="attention.attn",
     vllm_paths={"layers": "model.layers", "final_norm": "model.final_layer_norm", "embed": "model.embed_in"},
-    vllm_refused={name: NO_QKV_ON_TRANSFORMERS_BACKEND for name in ("q", "k", "v")},
+    vllm_refused={name: NO_QKV_ON_TRANSFORMERS_BACKEND for name in ("q", "k", "v")}, vllm_transformers_backend=True,
     d_head_from=(), n_kv_heads_from=(),
 )
 

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from interp_engine import cancel
-from interp_engine.address import parse_address
 from interp_engine.batching import run_padded
 from interp_engine.dataset.shard import ShardSpec, ShardStats
 from interp_engine.dataset.writer import MAX_WRITERS, ShardWriter
 from interp_engine.model import CaptureModel
+from interp_engine.request import Points
 
 from interp_engine.wire import CaptureReply, GenerationReply, Packed, edits_from_replica, pack_dict
 
@@ -93,7 +93,7 @@ class ReplicaCore:
         are ever returned. ``edits``: plain data (:func:`interp_engine.wire.edits_for_replica`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         with cancel.watching(self.stop_check):
-            cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, edits_from_replica(edits))
+            cache = run_padded(self.model, batch, Points.trusted(points), positions, edits_from_replica(edits))
         captured = CaptureReply(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
         return captured
@@ -102,7 +102,7 @@ class ReplicaCore:
                  edits=None) -> GenerationReply:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         with cancel.watching(self.stop_check):
-            completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
+            completion, cache = self.model.capture_generation(batch, Points.trusted(points),
                                                               positions=positions, edits=edits_from_replica(edits), **options)
         generated = GenerationReply(completion.text, list(completion.token_ids), completion.finish_reason,
                               pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))

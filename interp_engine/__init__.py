@@ -38,7 +38,7 @@ from .protocol import CaptureBackend as CaptureBackend
 from .protocol import HasOProj as HasOProj
 from .protocol import HasUnembedding as HasUnembedding
 from .protocol import WritesShards as WritesShards
-from .moe import expert_assignment as expert_assignment
+from .routing import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID
 
 from .errors import AddressError as AddressError

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from . import embedded
 from .capabilities import check_backend
-from .local import BACKENDS, load_local, resolve
+from .local import BACKENDS, load_local, find_model
 from .model import CaptureModel
 
-__all__ = ["BACKENDS", "load_model", "resolve"]
+__all__ = ["BACKENDS", "load_model", "find_model"]
 
 
 def load_model(

@@ -27,10 +27,10 @@ from interp_engine.errors import ConfigError
 def preflight(config: BuildConfig) -> None:
     """Raise :class:`ConfigError` (naming the field) for anything checkable before Ray starts."""
     from interp_engine.errors import AddressError, DatasetCorruptError, DatasetExistsError, InputError, ModelNotFound
-    from interp_engine.local import resolve
+    from interp_engine.local import find_model
 
     try:
-        folder = resolve(config.model)
+        folder = find_model(config.model)
     except ModelNotFound:
         folder = None  # perhaps only the cluster's nodes hold it: the replicas report it
     try:

@@ -49,7 +49,7 @@ def moe(block: str) -> dict[str, Hook]:
     """MoE families with Llama's layout and their MoE block at ``block``: the gate (replicated
     on every rank) returns ``(router_logits, bias)`` over the flat tokens; the experts' runner
     selects ``(topk_weights, topk_ids)``, the pair the expert kernel is given (a ``"select"``
-    read, see :mod:`interp_engine.backends.vllm.worker.moe` and docs/MOE.md)."""
+    read, see :mod:`interp_engine.backends.vllm.worker.experts` and docs/MOE.md)."""
     return {
         **LLAMA,
         "router_logits": Hook(f"{block}.gate", "out", parts=(0,)),

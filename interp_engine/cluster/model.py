@@ -23,7 +23,8 @@ from ..errors import ClusterError, InputError, ShardFailed, user_error
 from ..dtypes import dtype_name
 from ..wire import edits_for_replica, unpack_dict
 from ..capabilities import backend_class
-from ..model import CaptureModel, Completion, Sampling
+from ..model import CaptureModel, Completion
+from ..request import Request
 from .placement import check_capacity as check_capacity
 from .placement import connect as connect
 from .placement import here, place, release
@@ -200,46 +201,31 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
 
     # The positions spec travels as given (it was checked against these tokens here): each
     # replica resolves it against its own rows and keeps only those rows, so nothing else crosses.
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
-
-        if not detach:
+    def _remote(self, r: Request):
+        """The coordinator call for a checked request (a Ray object ref)."""
+        if not r.detach:
             raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        captured = self._get(self._coordinator.run.remote(tokens.numpy(), self._points(addresses), _spec(positions),
-                                                          edits_for_replica(edits)))
-        return Cache(unpack_dict(captured.tensors), tokens, None, self.name, self.backend, _held(captured))
+        points, edits = self._points(list(r.points)), edits_for_replica(r.edits)
+        if r.options is None:
+            return self._coordinator.run.remote(r.tokens.numpy(), points, _spec(r.positions), edits)
+        return self._coordinator.generate.remote(r.tokens.numpy(), points, dataclasses.asdict(r.options),
+                                                 _spec(r.positions), edits)
 
-    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
-
-        generated = self._get(self._coordinator.generate.remote(tokens.numpy(), self._points(addresses),
-                                                                dataclasses.asdict(options), _spec(positions),
-                                                                edits_for_replica(edits)))
-        return self._completion(generated, unpack_dict)
-
-    def _completion(self, generated, unpack_dict):
+    def _result(self, reply, r: Request):
+        if r.options is None:
+            return Cache(unpack_dict(reply.tensors), r.tokens, None, self.name, self.backend, _held(reply))
         import torch
 
-        completion = Completion(generated.text, list(generated.token_ids), generated.finish_reason)
-        fed = torch.from_numpy(generated.tokens.copy())
-        return completion, Cache(unpack_dict(generated.tensors), fed, None, self.name, self.backend, _held(generated))
+        completion = Completion(reply.text, list(reply.token_ids), reply.finish_reason)
+        fed = torch.from_numpy(reply.tokens.copy())
+        return completion, Cache(unpack_dict(reply.tensors), fed, None, self.name, self.backend, _held(reply))
 
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
+    def _execute(self, request: Request):
+        return self._result(self._get(self._remote(request)), request)
 
-        points = self._points(addresses)
-        if options is None:
-            ref = self._coordinator.run.remote(tokens.numpy(), points, _spec(positions), edits_for_replica(edits))
-        else:
-            ref = self._coordinator.generate.remote(tokens.numpy(), points, dataclasses.asdict(options),
-                                                    _spec(positions), edits_for_replica(edits))
-        result = await self._await(ref)
-        return unpack_dict(result.tensors)
-
-    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
-
-        ref = self._coordinator.generate.remote(tokens.numpy(), self._points(addresses), dataclasses.asdict(options),
-                                                _spec(positions), edits_for_replica(edits))
-        generated = await self._await(ref)
-        return self._completion(generated, unpack_dict)
+    async def _execute_async(self, request: Request):
+        return self._result(await self._await(self._remote(request)), request)
 
     def write_shards(self, spec, source, skip):
         """Have the replicas write the dataset shards not in ``skip``; yield their stats as they land."""

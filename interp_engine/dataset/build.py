@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..address import check_points, format_address
+from ..address import format_address
 from .integrity import Expected, identity_json, verify_existing
 from .lease import Lease, inspect_free_output
 from .manifest import FORMAT, prepare_output, tokenizer_fingerprint, write_manifest
@@ -29,6 +29,7 @@ from .shard import BATCH_TOKENS, DTYPES, LAYOUTS, ShardSpec, ShardStats, shard_n
 from .store import Store
 from .writer import MAX_WRITERS, ShardWriter, write_shards
 from .uri import check_access, check_writable
+from ..request import Points
 from ..positions import check_prompt, check_spec, resolve_row, width_bound
 from ..wire import spec_to_json
 from ..protocol import WritesShards
@@ -94,7 +95,7 @@ def build_dataset(
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
-    addresses = check_points(points, model.info, model.capabilities)
+    addresses = Points.check(points, model.info, model.capabilities)  # once: shards trust them
     wide = [a for a in addresses if len(a.position_axes) > 1]
     if layout == "token" and wide:
         raise InputError(f"{wide[0].name!r} is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")

@@ -49,6 +49,7 @@ from ..address import parse_address
 from ..address import Address
 from ..batching import join_rows, pad_positions, pad_tokens, plan_batches, run_padded
 from ..cache import Cache
+from ..request import Points
 from .columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
 from .columns import IDENTITY_KEY, INDEX_KEY, encode, field_metadata, nested, write_bytes
 from .names import shard_name as shard_name
@@ -141,7 +142,7 @@ def capture_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> Captu
     start = time.perf_counter()
     rows = [model.tok.encode(t) for t in texts]
     tokens = pad_batch(rows)
-    cache = _run_batches(model, tokens, [parse_address(p) for p in spec.points], spec.positions, spec.batch_tokens)
+    cache = _run_batches(model, tokens, Points.trusted(spec.points), spec.positions, spec.batch_tokens)
     ids = torch.from_numpy(spec.prompt_ids(index, len(rows)).copy())
     return Captured(index, tokens, cache, ids, time.perf_counter() - start)
 

@@ -20,8 +20,9 @@ from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.dtypes import dtype_name
 from interp_engine.errors import InputError
-from interp_engine.model import CaptureModel, Completion, Sampling
+from interp_engine.model import CaptureModel, Completion
 from interp_engine.positions import held_positions
+from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
 from . import attention
 from .recorder import Recorder, StopForward
@@ -123,7 +124,11 @@ class EagerModel(CaptureModel):
         return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
                         positions=positions, edits=edits)
 
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
+    def _execute(self, request: Request):
+        if request.options is not None:
+            return self._generate(request)
+        tokens, addresses, detach = request.tokens, list(request.points), request.detach
+        positions, edits = request.positions, request.edits
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
         with self._lock, self._grad_context(detach):
@@ -148,9 +153,11 @@ class EagerModel(CaptureModel):
             recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
         return Cache(recorded, tokens, mask, self.name, self.backend)
 
-    def _generate(self, tokens, addresses, options: Sampling, *, positions=None, edits=None):
+    def _generate(self, request: Request):
         from transformers import DynamicCache
 
+        tokens, addresses, options = request.tokens, list(request.points), request.options
+        positions, edits = request.positions, request.edits
         generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         generated: list[int] = []
         finish = "length"
@@ -177,15 +184,6 @@ class EagerModel(CaptureModel):
         completion = Completion(self.tok.decode(generated), generated, finish)
         held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
         return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)
-
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        if options is None:
-            cache = await cancel.in_thread(self._run, tokens, addresses, detach=True, positions=positions,
-                                           edits=edits)
-        else:
-            _, cache = await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions,
-                                              edits=edits)
-        return cache.to_dict()
 
     def close(self):
         pass

@@ -12,7 +12,7 @@ Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``
 attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
 ``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``); on MoE families
 ``router_logits`` and, where the router's selection is read from the call that hands it to the
-expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.worker.moe`, docs/MOE.md). ``pattern`` is never formed
+expert kernel, ``expert_weights`` / ``expert_indices`` (:mod:`.worker.experts`, docs/MOE.md). ``pattern`` is never formed
 by vLLM's fused attention, and vLLM builds no autograd graph: both are clear errors.
 
 A prefill-only capture (``run_with_cache``, ``model.capture`` without ``max_tokens``) runs only
@@ -36,6 +36,7 @@ from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.model import CaptureModel, Completion, Sampling
 from interp_engine.positions import Selection, held_positions
+from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
 from interp_engine.errors import InputError, InternalError, UnsupportedModel
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
@@ -153,8 +154,15 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         return tokens, addresses
 
     # -- the calls ------------------------------------------------------------------------------
-    def _submit(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling | None,
-                positions: Selection | None, edits: dict | None = None):
+    def _submit(self, request: Request):
+        """Post a checked request to the engine thread; its future holds the finished request."""
+        if not request.detach:
+            raise InputError(
+                "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
+                "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
+            )
+        tokens, addresses, options = request.tokens, list(request.points), request.options
+        positions, edits = request.positions, request.edits
         wire = sorted({str(self._read_as(a)) for a in addresses})
         layers = self._depth(addresses, edits) if options is None and self.shortens else None
         request = WorkerRequest(
@@ -173,45 +181,32 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         layers = max(a.layer for a in read) + 1
         return layers if layers < self.info.n_layers else None
 
-    def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
-        if not detach:
-            raise InputError(
-                "detach=False asks for tensors that keep their autograd graph, and vLLM never builds one "
-                "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
-            )
-        finished = cancel.wait(self._submit(tokens, addresses, None, positions, edits))
-        return self._cache(finished, tokens, addresses, positions, tokens.shape[1])
+    def _execute(self, request: Request):
+        return self._result(cancel.wait(self._submit(request)), request)
+
+    async def _execute_async(self, request: Request):
+        return self._result(await asyncio.wrap_future(self._submit(request)), request)
+
+    def _result(self, finished: Finished, r: Request):
+        if r.options is None:
+            return self._cache(finished, r.tokens, list(r.points), r.positions, r.tokens.shape[1])
+        return self._completion(finished, r.tokens, list(r.points), r.positions)
 
     def run_many(self, rows, points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
         batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
-        Each row is checked first: a bad one fails the call before any is submitted."""
-        calls = []
-        for row in rows:
-            tokens, addresses = self.check(row, points)
-            calls.append((tokens, addresses, self._selection(tokens, positions), self._edits(edits, tokens)))
-        futures = [self._submit(tokens, addresses, None, held, planned) for tokens, addresses, held, planned in calls]
+        Each row is checked first: a bad one fails the call before any is submitted (the points
+        once for all rows)."""
+        points = self.check_points(points)
+        calls = [self.request(row, points, positions=positions, edits=edits) for row in rows]
+        futures = [self._submit(r) for r in calls]
         try:
-            return [self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1])
-                    for future, (tokens, addresses, held, _) in zip(futures, calls)]
+            return [self._cache(cancel.wait(future), r.tokens, list(r.points), r.positions, r.tokens.shape[1])
+                    for future, r in zip(futures, calls)]
         except BaseException:
             for future in futures:  # the engine loop aborts each cancelled request
                 future.cancel()
             raise
-
-    def _generate(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = cancel.wait(self._submit(tokens, addresses, options, positions, edits))
-        return self._completion(finished, tokens, addresses, positions)
-
-    async def _capture(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions, edits))
-        if options is None:
-            return self._cache(finished, tokens, addresses, positions, tokens.shape[1]).to_dict()
-        return self._completion(finished, tokens, addresses, positions)[1].to_dict()
-
-    async def _generate_async(self, tokens, addresses, options, *, positions=None, edits=None):
-        finished = await asyncio.wrap_future(self._submit(tokens, addresses, options, positions, edits))
-        return self._completion(finished, tokens, addresses, positions)
 
     def close(self) -> None:
         self._finalizer()

@@ -93,7 +93,7 @@ class BatchRows:
 
     def selection(self, address: Address):
         """The rows of this forward that requests want at ``address``: a selector (a slice when
-        they are contiguous, else an index) and the :class:`~.vllm_rows.Group` of those requests
+        they are contiguous, else an index) and the :class:`~.rows.RowGroup` of those requests
         that keeps them. Cached per set of requesters, so one forward selects once per distinct set."""
         if self._uniform is not None:
             wanted, selection = self._uniform

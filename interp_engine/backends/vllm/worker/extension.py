@@ -83,7 +83,7 @@ class CaptureExtension:
 
     def interp_unreadable_sites(self) -> list[str]:
         """Sites of the table this engine never computes in a readable form (see vllm_moe)."""
-        from .moe import unreadable_sites
+        from .experts import unreadable_sites
 
         recorder = self._interp_recorder()
         return unreadable_sites(list(recorder.layers), recorder.table)

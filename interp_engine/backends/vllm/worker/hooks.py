@@ -28,7 +28,7 @@ from interp_engine.address import SITES, Address
 from interp_engine.archs import LOGITS, ONE, Group, Hook, arch_for, group_sites, model_info, vllm_sites
 from interp_engine.archs.base import submodule
 from .. import compat as vllm_compat
-from . import moe as vllm_moe
+from . import experts as vllm_moe
 from .batch import BatchRows
 from .edits import EditBook
 from interp_engine.wire import WorkerRequest

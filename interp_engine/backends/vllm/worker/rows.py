@@ -2,7 +2,7 @@
 
 One forward records, at each address, one *chunk*: the rows of every request that wanted the
 address, side by side. The requests that wanted the same addresses in a forward form a
-:class:`Group`, which holds those chunks and where each request's rows sit in them; each request
+:class:`RowGroup`, which holds those chunks and where each request's rows sit in them; each request
 keeps a list of the groups it was part of, in the order computed. Recording is therefore one
 dictionary entry per (forward, address), however many requests share the forward.
 
@@ -24,7 +24,7 @@ import torch
 STACK_BYTES = 16 << 20
 
 
-class Group:
+class RowGroup:
     """The rows that one forward recorded for one set of requests: ``chunks[address]`` holds
     every member's rows, member ``rid``'s at ``rows[rid] = (offset, count, positions)``."""
 
@@ -60,7 +60,7 @@ class RowStore:
     """Each registered request's groups, in the order computed."""
 
     def __init__(self):
-        self.groups: dict[str, list[Group]] = {}
+        self.groups: dict[str, list[RowGroup]] = {}
 
     def open(self, rid: str) -> None:
         self.groups[rid] = []
@@ -68,13 +68,13 @@ class RowStore:
     def drop(self, rid: str) -> None:
         self.groups.pop(rid, None)
 
-    def group(self, members: list[tuple[str, int, torch.Tensor]]) -> Group:
+    def group(self, members: list[tuple[str, int, torch.Tensor]]) -> RowGroup:
         """A new group of ``(rid, count, positions)`` members, rows side by side in that order."""
         rows, offset = {}, 0
         for rid, count, positions in members:
             rows[rid] = (offset, count, positions)
             offset += count
-        group = Group(rows)
+        group = RowGroup(rows)
         for rid in rows:
             self.groups[rid].append(group)
         return group
@@ -83,7 +83,7 @@ class RowStore:
         """Pop ``rid``'s rows: ``{address: (rows, positions)}``, the rows in position order and
         ``positions`` the position of each, ascending and unique."""
         pieces: dict = {}  # address -> [(rows, positions)], in the order computed
-        runs: list[tuple[tuple | None, list[Group]]] = []  # consecutive decode groups laid out alike
+        runs: list[tuple[tuple | None, list[RowGroup]]] = []  # consecutive decode groups laid out alike
         for group in self.groups.pop(rid, ()):
             stacks = group.stacks()
             layout = None if stacks is None else tuple(addresses for addresses, _ in stacks)

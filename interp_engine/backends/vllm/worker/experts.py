@@ -23,7 +23,7 @@ from .. import compat as vllm_compat
 from interp_engine.errors import InternalError
 
 
-def resolve(root, path: str):
+def submodule(root, path: str):
     """Follow a dotted attribute path from ``root`` (``None`` where it breaks off)."""
     for name in path.split(".") if path else ():
         root = getattr(root, name, None)
@@ -45,7 +45,7 @@ def wrap_selection(root, path: str, callback: Callable) -> _Restore:
     runs as before, then ``callback(owner, args, result)`` sees the result (integer tensors as
     int64, the eager backend's index dtype; vLLM gets its own result back untouched).
     ``remove()`` restores it."""
-    found = vllm_compat.moe_selection(resolve(root, path))
+    found = vllm_compat.moe_selection(submodule(root, path))
     if found is None:
         raise InternalError(f"[Internal] no expert selection call under {path!r} of {type(root).__name__} "
                            f"(vLLM {vllm_compat.SUPPORTED} layout assumed)")
@@ -71,7 +71,7 @@ def unreadable_sites(layers, table: dict) -> list[str]:
     for name, read in table.items():
         if read.phase != "select":
             continue
-        runners = [resolve(layer, read.module) for layer in layers]
+        runners = [submodule(layer, read.module) for layer in layers]
         present = [r for r in runners if r is not None and vllm_compat.moe_selection(r) is not None]
         if not present or any(vllm_compat.moe_is_monolithic(r) for r in present):
             out.append(name)

@@ -18,7 +18,7 @@ class Hook:
 
     ``module`` is a dotted path relative to the layer; ``""`` is the layer itself; ``"a|b"`` is
     whichever of ``a`` and ``b`` the layer has (a hybrid model's token mixer is ``self_attn`` on
-    its attention layers and ``linear_attn`` on the others; see :func:`submodule`).
+    its attention layers and ``linear_attn`` on the others; see :func:`layer_module`).
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
     :mod:`interp_engine.backends.vllm.worker.experts`).
@@ -57,7 +57,7 @@ LOGITS = "logits"
 Group = tuple[int, str, str]
 
 
-def submodule(layer, path: str):
+def layer_module(layer, path: str):
     """The module at ``path`` inside the decoder ``layer``: ``""`` is the layer itself, and of
     alternatives ``"a|b"`` the first that the layer has."""
     if not path:

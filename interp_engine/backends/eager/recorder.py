@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from interp_engine.address import Address, ModelInfo
 from interp_engine.archs import Arch, group_sites
-from interp_engine.archs.base import submodule
+from interp_engine.archs.base import layer_module
 from interp_engine.edits import Planned, edit_activation
 from interp_engine.positions import Selection, gather_positions
 from . import attention
@@ -165,7 +165,7 @@ class Recorder:
 
         for key, addresses in by_module.items():
             layer, path, kind = key
-            module = submodule(self.layers[layer], path)
+            module = layer_module(self.layers[layer], path)
             if kind == "attention":
                 if addresses:
                     self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))

@@ -115,8 +115,7 @@ class Arch:
     #: decoder layers fuse the residual add into the next norm, so most of its reads differ
     #: (see :mod:`interp_engine.archs.vllm_reads`)
     vllm: dict[str, Hook] = dataclasses.field(default_factory=dict)
-    #: vLLM's attention kernel module inside a layer (it knows the heads and head size it runs);
-    #: "" where the kernel's geometry is not per-head (multi-head latent attention runs on a latent)
+    #: vLLM's attention kernel module inside a layer (it knows the heads and head size it runs)
     vllm_attention: str = "self_attn.attn"
     #: where ``model_type`` alone does not decide the family: a test on the whole config (None: none)
     matches: Callable[[Any], bool] | None = None

@@ -18,27 +18,32 @@ multi-head attention on the decompressed tensors, and those are what the sites h
   ``ModelInfo.d_head_qk`` is the query / key width;
 - ``pattern.L``: the softmax of those scores (eager).
 
-The latent itself is not an address. **On vLLM** the attention kernel takes the latent and the
-rotary key, not per-head keys and values (in decode it absorbs ``kv_b_proj`` into the query and the
-output), so no module boundary carries ``q`` / ``k`` / ``v``: they are refused there, with that
-reason; ``z`` (the input of ``o_proj``) is formed and served.
+The latent itself is not an address.
+
+**Not on vLLM.** vLLM 0.32's CPU build starts a DeepSeek-V3 model (its MLA kernel needs
+``kv_lora_rank + qk_rope_head_dim = 576``, and the routers' correction bias needs
+``topk_method="noaux_tc"`` in the config), but its CPU rotary kernel (``RotaryEmbedding.forward_cpu``)
+rotates the strided rope slice of MLA's queries wrongly: every head but the first gets other
+values (seen even at position 0, where rotary is the identity; ``forward_native`` is exact), so
+its attention is not the model's (``z`` 2% away from the eager backend on a tiny model). The vLLM
+backend refuses the family with that reason before an engine starts. Were it fixed, the per-head
+``q`` / ``k`` / ``v`` would still have no module boundary there (the kernel takes the latent and
+the rotary key, and decode absorbs ``kv_b_proj`` into the query and the output); ``z``, the input
+of ``o_proj``, would.
 """
 
 from __future__ import annotations
 
-from . import vllm_reads
 from .base import Arch, Hook
 from .dense import LLAMA_SITES
 from .moe import ROUTER_SITES
 
-_LATENT = ("vLLM runs multi-head latent attention on the compressed latent (kv_lora_rank) and the shared "
-           "rotary key, and in decode absorbs kv_b_proj into the query and the output, so the per-head "
-           "queries, keys and values are never passed between modules there; capture them with backend='eager'")
-
-VLLM_SITES = {name: read for name, read in vllm_reads.moe("mlp").items() if name not in ("q", "k", "v")}
+_VLLM_CPU_ROPE = ("vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates the strided rope slice of "
+                  "multi-head latent attention's queries wrongly for every head but the first, so the engine's "
+                  "attention is not the model's (z 2% away from eager on a tiny DeepSeek-V3; docs/MOE.md)")
 
 ARCHS = (
     Arch("deepseek_v3", ("deepseek_v3",), {**LLAMA_SITES, **ROUTER_SITES}, d_head_from=("v_head_dim",),
-         n_kv_heads_from=("num_attention_heads",), d_head_qk_from=("qk_head_dim",), vllm=VLLM_SITES,
-         vllm_refused={name: _LATENT for name in ("q", "k", "v")}, vllm_attention=""),
+         n_kv_heads_from=("num_attention_heads",), d_head_qk_from=("qk_head_dim",),
+         vllm_unsupported=_VLLM_CPU_ROPE),
 )

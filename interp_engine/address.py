@@ -208,7 +208,8 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             raise AddressError(
                 f"{format_address(address)!r}: layer {address.layer} of {info.name} is a "
                 f"{info.layer_kinds[address.layer]} layer (its token mixer is not softmax attention), so "
-                f"{address.name!r} exists only on its attention layers {list(info.attention_layers)} (layers: {kinds}). "
+                f"{address.name!r} exists only on its attention layers {list(info.attention_layers)} "
+                f"(layers: {kinds}). "
                 f"attn_out.{address.layer} is what that layer's token mixer adds to the residual"
             )
         if site.dense_mlp and address.layer in info.moe_layers:

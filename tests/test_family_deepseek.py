@@ -108,7 +108,8 @@ def _route(gate, x, config):
 
 def test_router_and_experts_by_hand(model, cache):
     config = model.hf.config
-    assert config.routed_scaling_factor != 1 and model.hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0
+    bias = model.hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert config.routed_scaling_factor != 1 and bias.abs().max() > 0  # the rule's parts show
     for layer in (1, 2):
         block = model.hf.model.layers[layer]
         with torch.no_grad():

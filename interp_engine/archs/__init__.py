@@ -28,8 +28,8 @@ from .base import group_sites as group_sites
 from .moe import moe_layers
 
 #: every supported family, in the order ``arch_for`` looks a model type up
-FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *gpt.ARCHS, *normed.ARCHS, *moe.ARCHS, *gpt_oss.ARCHS, *mla.ARCHS, *hybrid.ARCHS,
-                               *streams.ARCHS)
+FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *gpt.ARCHS, *normed.ARCHS, *moe.ARCHS, *gpt_oss.ARCHS, *mla.ARCHS,
+                               *hybrid.ARCHS, *streams.ARCHS)
 
 
 def arch_for(config, families: tuple[Arch, ...] = FAMILIES) -> Arch:

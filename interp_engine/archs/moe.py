@@ -47,6 +47,7 @@ def moe_layers(config) -> tuple[int, ...]:
     types = getattr(config, "mlp_layer_types", None)
     if types:
         return tuple(i for i, kind in enumerate(types) if kind in MOE_LAYER_TYPES)
-    dense = set(getattr(config, "mlp_only_layers", None) or ()) | set(range(getattr(config, "first_k_dense_replace", 0) or 0))
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    dense |= set(range(getattr(config, "first_k_dense_replace", 0) or 0))
     step = getattr(config, "decoder_sparse_step", None) or 1
     return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .address import Address
+from .address import Address, parse_address
 from .cache import Cache
 from .model import CaptureModel
 from .tokens import PAD_ID, unpad
+from .wire import CaptureReply, pack_dict
 
 
 def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -91,3 +92,23 @@ def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Addres
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)
     return Cache(joined, padded, None, model.name, model.backend, held)
+
+
+def split_rows(tokens: np.ndarray, batched: bool, parts: int) -> list[np.ndarray]:
+    """A padded batch cut for ``parts`` replicas: one row (at its true length) per piece for
+    one-prompt backends, contiguous chunks at the batch's own width for batched ones."""
+    if not batched:
+        return unpad(tokens)
+    return [tokens[a:b] for a, b in chunk_bounds(tokens.shape[0], parts)]
+
+
+def join_captured(parts: list[CaptureReply], tokens: np.ndarray, selected: bool) -> CaptureReply:
+    """The pieces' captures (in :func:`split_rows` order) put back together as the padded batch
+    ``tokens`` (``selected``: the pieces hold a positions selection)."""
+    if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
+        return parts[0]
+    tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
+    held = [torch.from_numpy(np.array(p.positions)) for p in parts] if selected else None
+    joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
+                                     tokens.shape[1], held)
+    return CaptureReply(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())

@@ -24,7 +24,8 @@ class Hook:
     :mod:`interp_engine.backends.vllm.worker.experts`).
     ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
     ``parts`` (vLLM) names the tensors whose *sum* is the site: forward arguments by parameter
-    name for ``"in"``, output elements by index for ``"out"`` / ``"select"``; a part that is
+    name for ``"in"`` (by position, an int, where the forward takes ``*args``: a custom op), output
+    elements by index for ``"out"`` / ``"select"``; a part that is
     ``None`` at run time (layer 0's residual) is skipped. vLLM's layers fuse the residual add
     into the next norm, so its residual is a sum it never materialises.
     ``shard`` (tensor parallelism) says how ranks hold it: ``""`` identical on every rank,

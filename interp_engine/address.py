@@ -199,6 +199,13 @@ class ModelInfo:
     family: str = ""
     #: the site names this model's family table serves (empty: every site)
     sites: frozenset[str] = frozenset()
+    #: the width of one head's query and key where it differs from ``d_head`` (the value's and
+    #: ``z``'s width): multi-head latent attention (DeepSeek-V3). 0: the same
+    d_head_qk: int = 0
+    #: each layer's kind where the family's layers differ (a hybrid model's ``layer_types``)
+    layer_kinds: tuple[str, ...] = ()
+    #: the layers whose token mixer is softmax attention, where the per-head sites exist (empty: every layer)
+    attention_layers: tuple[int, ...] = ()
     #: ``(site, why)`` for sites the family has no module for, where its record says why
     refused: tuple[tuple[str, str], ...] = ()
 
@@ -273,6 +280,15 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             raise AddressError(
                 f"{format_address(address)!r}: layer {address.layer} is out of range; "
                 f"{info.name} has layers {shown} for {address.name!r}"
+            )
+        if site.attention and info.attention_layers and address.layer not in info.attention_layers:
+            kinds = ", ".join(f"{i} {kind}" for i, kind in enumerate(info.layer_kinds))
+            raise AddressError(
+                f"{format_address(address)!r}: layer {address.layer} of {info.name} is a "
+                f"{info.layer_kinds[address.layer]} layer (its token mixer is not softmax attention), so "
+                f"{address.name!r} exists only on its attention layers {list(info.attention_layers)} "
+                f"(layers: {kinds}). "
+                f"attn_out.{address.layer} is what that layer's token mixer adds to the residual"
             )
         if site.dense_mlp and address.layer in info.moe_layers:
             dense = [i for i in range(info.n_layers) if i not in info.moe_layers]

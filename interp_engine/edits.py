@@ -98,9 +98,13 @@ class Planned:
 def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, ...]:
     """The shape of one position's block at ``address`` (``keys``: key positions of a pattern)."""
     name = address.name
-    if name in ("z", "q"):
+    if name == "z":
         return (info.n_heads, info.d_head)
-    if name in ("k", "v"):
+    if name == "q":
+        return (info.n_heads, info.d_head_qk or info.d_head)
+    if name == "k":
+        return (info.n_kv_heads, info.d_head_qk or info.d_head)
+    if name == "v":
         return (info.n_kv_heads, info.d_head)
     if name == "mlp_post":
         return (info.d_mlp,)

@@ -27,6 +27,9 @@ class Site:
     single_stream: bool = False
     #: only defined on layers with a dense MLP (not on MoE layers)
     dense_mlp: bool = False
+    #: read inside softmax attention: only defined on layers whose token mixer is attention (not on
+    #: a hybrid model's linear-attention layers)
+    attention: bool = False
     #: what to do instead where a backend cannot serve the site ({L}: the layer)
     fallback: str = ""
     #: the axes of a ``[batch, ...]`` tensor that run over positions, the query (or only) one first
@@ -49,12 +52,15 @@ SITES: dict[str, Site] = {
         Site("mlp_out", "[b, p, d_model]", "what the MLP / MoE block adds to the residual"),
         Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer",
              single_stream=True),
-        Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection"),
-        Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)"),
-        Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)"),
-        Site("v", "[b, p, n_kv_heads, d_head]", "values"),
+        Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection",
+             attention=True),
+        Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)",
+             attention=True),
+        Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)",
+             attention=True),
+        Site("v", "[b, p, n_kv_heads, d_head]", "values", attention=True),
         Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", needs_pattern=True,
-             position_axes=(2, 3)),
+             position_axes=(2, 3), attention=True),
         Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),
         Site("router_logits", "[b, p, n_experts]", "MoE gate output", moe=True),
         Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True, fallback=_SELECTION),

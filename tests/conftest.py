@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from . import devices, markers, tiny, tiny_moe
+from . import devices, markers, tiny, tiny_moe, tiny_recent
 
 
 def pytest_addoption(parser):
@@ -49,7 +49,12 @@ def tiny_root(tmp_path_factory):
 def tiny_path(tiny_root):
     """``tiny_path(family)`` -> folder of a tiny random model of that family (dense, MoE or
     multi-stream)."""
-    return lambda family: (tiny_moe if family in tiny_moe.MOE_FAMILIES + tiny_moe.STREAM_FAMILIES else tiny).build(family, tiny_root)
+    def build(family):
+        if family in tiny_recent.FAMILIES:
+            return tiny_recent.build(family, tiny_root)
+        return (tiny_moe if family in tiny_moe.MOE_FAMILIES + tiny_moe.STREAM_FAMILIES else tiny).build(family, tiny_root)
+
+    return build
 
 
 @pytest.fixture(scope="session")

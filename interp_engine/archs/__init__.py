@@ -5,7 +5,9 @@ the address space which module of a layer to hook and whether to read that modul
 its output. The capture code of every backend reads these tables; it holds no branches on the
 family. A family that is not listed raises an error naming the ones that are.
 
-The tables live in ``dense.py``, ``gpt.py`` (GPT-2, GPT-NeoX), ``moe.py`` and ``streams.py`` (built from the records in
+The tables live in ``dense.py``, ``gpt.py`` (GPT-2, GPT-NeoX), ``normed.py`` (Gemma 1 / 3, OLMo 2 / 3),
+``moe.py``, ``gpt_oss.py``, ``mla.py`` (DeepSeek-V3), ``hybrid.py`` (Qwen3.5, Qwen3-Next) and
+``streams.py`` (built from the records in
 ``base.py``); :data:`FAMILIES` lists them explicitly, so importing this package does no work.
 Each family's ``Arch`` also holds the vLLM backend's reads (``Arch.vllm``, built in
 ``vllm_reads.py``): vLLM's layers fuse the residual add, so most of its reads differ. A family
@@ -15,7 +17,7 @@ whose layers have Llama's module names is served on both backends by one ``model
 from __future__ import annotations
 
 from ..address import SITES, ModelInfo
-from . import dense, gpt, moe, streams
+from . import dense, gpt, gpt_oss, hybrid, mla, moe, normed, streams
 from .base import LAYOUTS as LAYOUTS
 from .base import LOGITS as LOGITS
 from .base import ONE as ONE
@@ -26,7 +28,8 @@ from .base import group_sites as group_sites
 from .moe import moe_layers
 
 #: every supported family, in the order ``arch_for`` looks a model type up
-FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *gpt.ARCHS, *moe.ARCHS, *streams.ARCHS)
+FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *gpt.ARCHS, *normed.ARCHS, *moe.ARCHS, *gpt_oss.ARCHS, *mla.ARCHS,
+                               *hybrid.ARCHS, *streams.ARCHS)
 
 
 def arch_for(config, families: tuple[Arch, ...] = FAMILIES) -> Arch:
@@ -73,6 +76,9 @@ def describe(arch: Arch, model_type: str) -> str:
 def vllm_sites(family: str) -> dict[str, Hook]:
     """The vLLM backend's reads for ``family`` (an error naming the served families if none)."""
     arch = next((a for a in FAMILIES if a.family == family), None)
+    if arch is not None and arch.vllm_unsupported:
+        raise ValueError(f"the vLLM backend does not serve {family!r} models: {arch.vllm_unsupported}. "
+                         f"Use backend='eager' (every site it serves: docs/MOE.md, README 'Models')")
     if arch is None or not arch.vllm:
         served = [a.family for a in FAMILIES if a.vllm]
         raise ValueError(
@@ -117,4 +123,14 @@ def model_info(config, name: str, arch: Arch | None = None) -> ModelInfo:
         moe_layers=moe_layers(config) if n_experts else (),
         sites=frozenset(arch.sites) | {"logits"},
         refused=tuple(sorted(arch.refused.items())),
+        layer_kinds=tuple(getattr(config, arch.layer_kinds)) if arch.layer_kinds else (),
+        d_head_qk=next((getattr(config, n) for n in arch.d_head_qk_from if getattr(config, n, None)), 0),
+        attention_layers=attention_layers(config, arch),
     )
+
+
+def attention_layers(config, arch: Arch) -> tuple[int, ...]:
+    """The layers whose kind is one of ``arch.attention_kinds`` (empty where every layer attends)."""
+    if not arch.attention_kinds:
+        return ()
+    return tuple(i for i, kind in enumerate(getattr(config, arch.layer_kinds)) if kind in arch.attention_kinds)

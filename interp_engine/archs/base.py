@@ -16,7 +16,9 @@ from ..errors import InternalError
 class Hook:
     """Read the input (``"in"``) or the output (``"out"``) of ``module`` inside a decoder layer.
 
-    ``module`` is a dotted path relative to the layer; ``""`` is the layer itself.
+    ``module`` is a dotted path relative to the layer; ``""`` is the layer itself; ``"a|b"`` is
+    whichever of ``a`` and ``b`` the layer has (a hybrid model's token mixer is ``self_attn`` on
+    its attention layers and ``linear_attn`` on the others; see :func:`layer_module`).
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
     :mod:`interp_engine.backends.vllm.worker.experts`).
@@ -54,6 +56,19 @@ LOGITS = "logits"
 
 #: (layer, module path, phase): one hook, and the addresses read there
 Group = tuple[int, str, str]
+
+
+def layer_module(layer, path: str):
+    """The module at ``path`` inside the decoder ``layer``: ``""`` is the layer itself, and of
+    alternatives ``"a|b"`` the first that the layer has."""
+    if not path:
+        return layer
+    for option in path.split("|"):
+        try:
+            return layer.get_submodule(option)
+        except AttributeError:
+            continue
+    raise InternalError(f"[Internal] this {type(layer).__name__} has none of {path.split('|')}")
 
 
 def group_sites(addresses, table: dict[str, Hook]) -> dict[Group, list]:
@@ -107,6 +122,9 @@ class Arch:
     matches: Callable[[Any], bool] | None = None
     #: why the family has no module for a site it leaves out of ``sites`` (shown when it is asked for)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: why the vLLM backend does not serve this family at all ("" where it does or nobody has looked):
+    #: shown when such a model is loaded with ``backend="vllm"``, before any engine starts
+    vllm_unsupported: str = ""
     #: why ``vllm`` leaves out a site that ``sites`` serves (shown when it is asked for on vLLM)
     vllm_refused: dict[str, str] = dataclasses.field(default_factory=dict)
     #: vLLM runs this family through its Transformers backend (the Hugging Face modules inside
@@ -114,8 +132,9 @@ class Arch:
     #: ``__init__`` and ``__call__``, for torch.compile): an eager model of the family in that
     #: process would break, so the vLLM backend gives such an engine's worker a process of its own
     vllm_transformers_backend: bool = False
-    #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) where vLLM's model
-    #: differs from the Hugging Face one (vLLM's Transformers backend keeps the decoder as ``model``)
+    #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) and the layer-level
+    #: ``o_proj`` where vLLM's model differs from the Hugging Face one (vLLM's Transformers backend
+    #: keeps the decoder as ``model``; vLLM's GPT-OSS names its attention block ``attn``)
     vllm_paths: dict[str, str] = dataclasses.field(default_factory=dict)
     #: config attributes that hold the MLP width, the head size and the KV-head count, in the order
     #: they are tried (the first that is set wins); without one: ``d_mlp_ratio * d_model``,
@@ -124,6 +143,16 @@ class Arch:
     d_head_from: tuple[str, ...] = ("head_dim",)
     n_kv_heads_from: tuple[str, ...] = ("num_key_value_heads",)
     d_mlp_ratio: int = 0
+    #: config attributes holding one head's query / key width where it differs from ``d_head``
+    #: (multi-head latent attention: ``qk_head_dim``); empty where it is ``d_head``
+    d_head_qk_from: tuple[str, ...] = ()
+    #: config attribute listing each layer's kind (``"layer_types"``), where the kinds differ in
+    #: which sites exist ("" where every layer is alike)
+    layer_kinds: str = ""
+    #: the layer kinds whose token mixer is softmax attention with heads, where ``z`` / ``q`` /
+    #: ``k`` / ``v`` / ``pattern`` exist (empty: every layer's); a hybrid model's other layers
+    #: (linear attention) have none
+    attention_kinds: tuple[str, ...] = ()
     #: found and proven on a loaded model by the generic path (:mod:`.generic`), not written here
     generic: bool = False
 
@@ -141,7 +170,7 @@ class Arch:
         return (getattr(config, self.logit_softcap, None) or None) if self.logit_softcap else None
 
     def vllm_path(self, name: str) -> str:
-        """The model-level path ``name`` (``"layers"``, ``"final_norm"``, ``"embed"``, ``"unembed"``)
+        """The path ``name`` (``"layers"``, ``"final_norm"``, ``"embed"``, ``"unembed"``, ``"o_proj"``)
         inside vLLM's model of this family."""
         return self.vllm_paths.get(name, getattr(self, name))
 

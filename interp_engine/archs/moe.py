@@ -40,12 +40,14 @@ def moe_layers(config) -> tuple[int, ...]:
     """The layers whose feed-forward block is an MoE block, read from the config.
 
     ``mlp_layer_types`` (DeepSeek-V4, HY-v4, GLM5-next) names each layer's block; otherwise
-    Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step`` apply; otherwise every layer.
+    DeepSeek-V3's ``first_k_dense_replace`` (its first k layers are dense) and Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step`` apply; otherwise every layer.
     """
     n = config.num_hidden_layers
     types = getattr(config, "mlp_layer_types", None)
     if types:
         return tuple(i for i, kind in enumerate(types) if kind in MOE_LAYER_TYPES)
     dense = set(getattr(config, "mlp_only_layers", None) or ())
+    dense |= set(range(getattr(config, "first_k_dense_replace", 0) or 0))
     step = getattr(config, "decoder_sparse_step", None) or 1
     return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)

@@ -21,4 +21,5 @@ def split_heads(name: str, tensor: torch.Tensor, info: ModelInfo) -> torch.Tenso
     field = HEAD_SITES.get(name)
     if field is None:
         return tensor
-    return tensor.unflatten(-1, (getattr(info, field), info.d_head))
+    width = (info.d_head_qk or info.d_head) if name in ("q", "k") else info.d_head
+    return tensor.unflatten(-1, (getattr(info, field), width))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from interp_engine.address import Address, ModelInfo
 from interp_engine.archs import Arch, group_sites
+from interp_engine.archs.base import layer_module
 from interp_engine.edits import Planned, edit_activation
 from interp_engine.positions import Selection, gather_positions
 from . import attention
@@ -166,9 +167,7 @@ class Recorder:
 
         for key, addresses in by_module.items():
             layer, path, kind = key
-            module = self.layers[layer]
-            if path:
-                module = module.get_submodule(path)
+            module = layer_module(self.layers[layer], path)
             if kind == "attention":
                 if addresses:
                     self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))

@@ -128,7 +128,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     # -- facts ----------------------------------------------------------------------------------
     def o_proj_weight(self, layer: int) -> torch.Tensor:
         if layer not in self._weights:
-            blocks = run_on_loop(self._loop, "interp_o_proj_weight", layer, self.arch.o_proj)
+            blocks = run_on_loop(self._loop, "interp_o_proj_weight", layer, self.arch.vllm_path("o_proj"))
             self._weights[layer] = torch.cat(blocks, dim=1)
         return self._weights[layer]
 

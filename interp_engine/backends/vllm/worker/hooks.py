@@ -26,6 +26,7 @@ import torch
 
 from interp_engine.address import SITES, Address
 from interp_engine.archs import LOGITS, ONE, Group, Hook, arch_for, group_sites, model_info, vllm_sites
+from interp_engine.archs.base import layer_module
 from .. import compat as vllm_compat
 from . import experts as vllm_moe
 from .batch import BatchRows
@@ -150,7 +151,7 @@ class WorkerRecorder:
         layer, path, phase = key
         if phase == "select":
             return vllm_moe.wrap_selection(self.layers[layer], path, self._output_hook(key))
-        module = self.layers[layer].get_submodule(path) if path else self.layers[layer]
+        module = layer_module(self.layers[layer], path)
         if phase == "in":
             return module.register_forward_pre_hook(self._input_hook(key), with_kwargs=True)
         return module.register_forward_hook(self._output_hook(key))

@@ -20,6 +20,7 @@ from .capabilities import Capabilities
 from .sites import SITES as SITES
 from .sites import Site as Site
 from .errors import AddressError
+from .tl_names import from_tl_name, is_tl_name
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -66,17 +67,29 @@ class Address:
 AddressLike = Union[Address, str, tuple]
 
 
-def format_address(address: Address) -> str:
-    """``Address("z", 7)`` -> ``"z.7"``; the inverse of :func:`parse_address`."""
+def format_address(address: Address, style: str = "ours") -> str:
+    """``Address("z", 7)`` -> ``"z.7"``; the inverse of :func:`parse_address`.
+    ``style="tl"``: the TransformerLens hook name, ``"blocks.7.attn.hook_z"`` (see :mod:`.tl_names`)."""
+    if style == "tl":
+        from .tl_names import tl_name
+
+        return tl_name(address)
+    if style != "ours":
+        raise AddressError(f"format_address: style must be 'ours' ('z.7') or 'tl' ('blocks.7.attn.hook_z'), "
+                           f"got {style!r}")
     parts = [address.name]
     parts += [str(x) for x in (address.layer, address.stream) if x is not None]
     return ".".join(parts)
 
 
 def parse_address(text: str) -> Address:
-    """``"resid_post.10"`` -> ``Address("resid_post", 10)``; the inverse of :func:`format_address`."""
+    """``"resid_post.10"`` -> ``Address("resid_post", 10)``; the inverse of :func:`format_address`.
+    A TransformerLens hook name (``"blocks.10.hook_resid_post"``) reads as the same address
+    (:func:`.tl_names.from_tl_name`)."""
     if not isinstance(text, str):
         raise AddressError(f"parse_address takes a string like 'resid_post.10', got {type(text).__name__}")
+    if is_tl_name(text.strip()):
+        return Address(*from_tl_name(text))
     name, *coords = text.strip().split(".")
     try:
         numbers = [int(c) for c in coords]
@@ -190,7 +203,8 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             shown = f"0..{info.n_layers - 1}" if layers == range(info.n_layers) else str(list(layers))
             raise AddressError(
                 f"{format_address(address)!r}: layer {address.layer} is out of range; "
-                f"{info.name} has layers {shown} for {address.name!r}"
+                f"{info.name} has layers {shown} for {address.name!r} (negative layers count from the end: "
+                f"-1 is layer {info.n_layers - 1}, -{info.n_layers} is layer 0)"
             )
         if site.dense_mlp and address.layer in info.moe_layers:
             dense = [i for i in range(info.n_layers) if i not in info.moe_layers]
@@ -203,6 +217,22 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
     if site.per_stream and not 0 <= address.stream < info.n_streams:
         what = "a single residual stream, so only stream 0" if info.n_streams == 1 else f"streams 0..{info.n_streams - 1}"
         raise AddressError(f"{format_address(address)!r}: {info.name} has {what}")
+
+
+def from_the_end(address: Address, info: ModelInfo) -> Address:
+    """``address`` with a negative layer (or stream) counted from the end of this model's layers
+    (streams): ``resid_post.-1`` is ``resid_post.{n_layers - 1}``. Where the model is known — a
+    capture's points, an edit's address, a cache lookup — addresses are normalised here, so what
+    a cache holds and what crosses to workers and replicas always carries the real layer. A
+    layer that is still negative is left for :func:`check_address` to refuse, naming the range."""
+    layer, stream = address.layer, address.stream
+    if layer is not None and layer < 0 and layer + info.n_layers >= 0:
+        layer += info.n_layers
+    if stream is not None and stream < 0 and stream + info.n_streams >= 0:
+        stream += info.n_streams
+    if (layer, stream) == (address.layer, address.stream):
+        return address
+    return Address(address.name, layer, stream)
 
 
 def _candidates(info: ModelInfo, site: Site, layer: int | None = None) -> list[Address]:
@@ -253,7 +283,7 @@ def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
         if whole:
             layer = None
             if coords:
-                layer = parse_address(f"{name}.{coords[0]}.0").layer
+                layer = from_the_end(parse_address(f"{name}.{coords[0]}.0"), info).layer
             candidates = _candidates(info, site, layer)
             if layer is not None:
                 check_address(Address(name, layer, 0), info, caps)
@@ -261,7 +291,7 @@ def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
             if not found:
                 check_address(candidates[0], info, caps)  # raises the reason, with the options
             return found
-    return [to_address(point)]
+    return [from_the_end(to_address(point), info)]
 
 
 def _one_tuple(points) -> bool:

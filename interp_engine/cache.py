@@ -46,8 +46,12 @@ class Cache(Mapping):
         model_name: str = "",
         backend: str = "",
         positions: torch.Tensor | None = None,
+        n_layers: int | None = None,
     ):
         self._data = {to_address(k): v for k, v in data.items()}
+        #: the model's number of layers (set by the capture calls), so that a negative layer in a
+        #: lookup (``cache["resid_post", -1]``) counts from the model's end; None: unknown
+        self.n_layers = n_layers
         self.tokens = tokens
         self._positions = positions
         if positions is not None:
@@ -57,8 +61,19 @@ class Cache(Mapping):
         self.model_name = model_name
         self.backend = backend
 
-    def __getitem__(self, key: AddressLike) -> torch.Tensor:
+    def _key(self, key: AddressLike) -> Address:
+        """``key`` as the address it names here: a negative layer counts from the model's end."""
         address = to_address(key)
+        if address.layer is None or address.layer >= 0:
+            return address
+        if self.n_layers is None:
+            raise KeyError(f"{format_address(address)!r}: a negative layer counts from the end of the model, and "
+                           f"this cache does not know its model's layer count (it was not made by a capture call); "
+                           f"use the layer number")
+        return Address(address.name, address.layer + self.n_layers, address.stream)
+
+    def __getitem__(self, key: AddressLike) -> torch.Tensor:
+        address = self._key(key)
         try:
             return self._data[address]
         except KeyError:
@@ -71,8 +86,8 @@ class Cache(Mapping):
 
     def __contains__(self, key) -> bool:
         try:
-            return to_address(key) in self._data
-        except ValueError:
+            return self._key(key) in self._data
+        except (ValueError, KeyError):
             return False
 
     def __iter__(self) -> Iterator[Address]:
@@ -105,7 +120,7 @@ class Cache(Mapping):
     def _like(self, data, positions=None) -> "Cache":
         positions = self._positions if positions is None else positions
         mask = None if positions is not None else self.mask
-        return Cache(data, self.tokens, mask, self.model_name, self.backend, positions)
+        return Cache(data, self.tokens, mask, self.model_name, self.backend, positions, self.n_layers)
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Cache":
         """A cache with every activation moved to ``device`` (and floating ones cast to ``dtype``);
@@ -154,6 +169,8 @@ class Cache(Mapping):
             "backend": self.backend,
             "order": json.dumps([format_address(a) for a in self._data]),
         }
+        if self.n_layers is not None:
+            metadata["n_layers"] = str(self.n_layers)
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
@@ -164,8 +181,9 @@ class Cache(Mapping):
         data = _activations(path, metadata, tensors)
         tokens, mask, positions = tensors[_TOKENS], tensors[_MASK], tensors.get(_POSITIONS)
         _check_shapes(path, data, tokens, mask, positions)
+        n_layers = metadata.get("n_layers", "")
         return cls(data, tokens, mask, str(metadata.get("model_name", "")), str(metadata.get("backend", "")),
-                   positions)
+                   positions, int(n_layers) if n_layers.isdigit() else None)
 
 
 def _read(path) -> tuple[dict, dict]:

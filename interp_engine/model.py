@@ -159,8 +159,8 @@ class CaptureModel:
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
         tokens, addresses = self.check(tokens, points)
-        return self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
-                         edits=self._edits(edits, tokens))
+        return self._stamp(self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
+                                     edits=self._edits(edits, tokens)))
 
     def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
@@ -172,8 +172,10 @@ class CaptureModel:
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
-        return self._generate(tokens, addresses, options, positions=self._selection(tokens, positions, options),
-                              edits=self._edits(edits, tokens, options))
+        completion, cache = self._generate(tokens, addresses, options,
+                                           positions=self._selection(tokens, positions, options),
+                                           edits=self._edits(edits, tokens, options))
+        return completion, self._stamp(cache)
 
     async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
                                        edits=None, **sampling) -> tuple[Completion, Cache]:
@@ -181,9 +183,10 @@ class CaptureModel:
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
-        return await self._generate_async(tokens, addresses, options,
-                                          positions=self._selection(tokens, positions, options),
-                                          edits=self._edits(edits, tokens, options))
+        completion, cache = await self._generate_async(tokens, addresses, options,
+                                                       positions=self._selection(tokens, positions, options),
+                                                       edits=self._edits(edits, tokens, options))
+        return completion, self._stamp(cache)
 
     async def capture(self, tokens, points, *, positions=None, edits=None,
                       **sampling) -> dict[Address, torch.Tensor]:
@@ -201,6 +204,11 @@ class CaptureModel:
             tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
         return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options),
                                    edits=self._edits(edits, tokens, options))
+
+    def _stamp(self, cache: Cache) -> Cache:
+        """The cache, told this model's layer count (negative layers in lookups count from it)."""
+        cache.n_layers = self.info.n_layers
+        return cache
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""

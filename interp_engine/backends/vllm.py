@@ -185,7 +185,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             calls.append((tokens, addresses, self._selection(tokens, positions), self._edits(edits, tokens)))
         futures = [self._submit(tokens, addresses, None, held, planned) for tokens, addresses, held, planned in calls]
         try:
-            return [self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1])
+            return [self._stamp(self._cache(cancel.wait(future), tokens, addresses, held, tokens.shape[1]))
                     for future, (tokens, addresses, held, _) in zip(futures, calls)]
         except BaseException:
             for future in futures:  # the engine loop aborts each cancelled request

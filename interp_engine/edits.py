@@ -12,12 +12,16 @@ happens to the activation of each edited *position* (a ``[d_model]`` row of a re
 - ``Scale(factor)``: ``factor * x``; ``Set(value)``: ``value`` (broadcast to the edited rows);
   ``Zero()``: zeros (ablation).
 
+Several edits of one address are a list, applied in order, each to what the one before it
+wrote: ``{"resid_post.5": [Add(v), Zero(positions=[0])]}`` (every backend).
+
 ``positions`` picks the edited positions as a capture's ``positions=`` does (prompt positions,
 negative from the end of each prompt, ``"generated"``, ``None`` for all; see :mod:`.positions`);
 ``heads=[...]`` on the per-head sites (``z``, ``q``, ``k``, ``v``, ``pattern``) edits those heads
 only. The edits are plain data, so they travel unchanged to vLLM workers and cluster replicas.
 On the eager backend a Python function ``fn(tensor, address) -> tensor`` is also an edit: it
-gets the whole ``[batch, pos, ...]`` activation of each forward and returns its replacement.
+gets the whole ``[batch, pos, ...]`` activation of each forward and returns its replacement
+(or None: it only read it, and the activation stays as it was).
 
 Every backend applies an edit where the activation is produced: what runs after it sees the
 edited model, and a capture of the edited address itself returns the value after the edit.
@@ -34,7 +38,7 @@ import torch
 
 from .address import SITES, Address, ModelInfo, check_points, to_address
 from .capabilities import Capabilities
-from .errors import AddressError, InputError
+from .errors import AddressError, InputError, shown
 from .positions import Selection, as_int, check_spec, resolve
 
 
@@ -110,8 +114,10 @@ def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, 
 
 
 def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor, *,
-                generating: bool = False, max_tokens: int | None = None) -> dict[Address, Planned] | None:
+                generating: bool = False, max_tokens: int | None = None) -> dict[Address, tuple[Planned, ...]] | None:
     """Validate ``edits`` against the model and a checked batch; None when there are none.
+
+    Each address maps to its edits in the order they apply (one edit, or a list of them).
 
     Raises :class:`AddressError` for an address the backend (its capabilities ``caps``) cannot write and
     :class:`InputError` for an edit that does not fit the address or the batch."""
@@ -121,7 +127,8 @@ def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor
         raise InputError(f"edits must be a dict of address -> edit, e.g. {{'resid_post.3': Add(vector)}}, "
                          f"got {type(edits).__name__}")
     lengths = (tokens >= 0).sum(dim=1).tolist()
-    planned: dict[Address, Planned] = {}
+    planned: dict[Address, tuple[Planned, ...]] = {}
+    keys: dict[Address, object] = {}
     writable = [s for s in SITES
                 if s in caps.writable and (not info.sites or s in info.sites) and s not in caps.unserved]
     for point, edit in edits.items():
@@ -134,8 +141,15 @@ def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor
                 + f"; writable sites of this model there: {', '.join(writable)}")
         (address,) = _one_address(point, info, caps)
         if address in planned:
-            raise InputError(f"two edits on {address}: give one edit per address")
-        planned[address] = _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens)
+            raise InputError(f"{shown(keys[address])} and {shown(point)} both name {address}: give it one key, with "
+                             f"a list of its edits in the order they apply, e.g. {{'{address}': [Add(v), Zero()]}}")
+        keys[address] = point
+        chain = list(edit) if isinstance(edit, (list, tuple)) else [edit]
+        if not chain:
+            raise InputError(f"edits on {address}: the list is empty; give at least one edit (or leave the "
+                             f"address out)")
+        planned[address] = tuple(_plan(address, e, info, caps, tokens, lengths, generating, max_tokens)
+                                 for e in chain)
     return planned or None
 
 
@@ -348,12 +362,22 @@ def edited_positions(selection: Selection | None, start: int, length: int, batch
     return mask
 
 
+def edit_chain(chain: tuple[Planned, ...], tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``tensor`` after every edit of ``chain`` in order, each applied to what the one before wrote
+    (see :func:`edit_activation`)."""
+    for planned in chain:
+        tensor = edit_activation(planned, tensor, start)
+    return tensor
+
+
 def edit_activation(planned: Planned, tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
     """The edited ``[batch, pos, ...]`` activation at ``planned.address`` of one forward whose
     first row is position ``start`` (a KV-cached decode step starts later); a new tensor."""
     edit = planned.edit
     if not isinstance(edit, EDITS):
         out = edit(tensor, planned.address)
+        if out is None:  # a function that only reads (as a TransformerLens hook may) changes nothing
+            return tensor
         if not isinstance(out, torch.Tensor) or out.shape != tensor.shape:
             raise InputError(f"the function edit on {planned.address} must return a tensor of shape "
                              f"{list(tensor.shape)}, got {getattr(out, 'shape', type(out).__name__)}")

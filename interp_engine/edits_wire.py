@@ -67,43 +67,45 @@ def from_wire(data: dict) -> Edit:
     raise InternalError(f"[Internal] unknown edit kind {kind!r} on the wire")
 
 
-def to_plain(planned: dict[Address, Planned] | None) -> dict | None:
-    """Checked edits as plain data for a cluster replica: numbers, lists, numpy arrays, and the
-    positions spec as given (each replica resolves it against its own rows). No code."""
+def to_plain(planned: dict[Address, tuple[Planned, ...]] | None) -> dict | None:
+    """Checked edits as plain data for a cluster replica: per address, a list of its edits in
+    order (numbers, lists, numpy arrays, and each positions spec as given: each replica resolves
+    it against its own rows). No code."""
     if not planned:
         return None
-    out = {}
-    for address, p in planned.items():
-        if not isinstance(p.edit, EDITS):
-            raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
-                             f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
-        if p.full:
-            raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
-                             f"cluster replicas; give one position's value with positions=, or run locally")
-        data = wire(p)
-        for key in ("vector", "value"):
-            if key in data:
-                data[key] = getattr(p.edit, key).numpy()
-        data["positions"] = spec_to_json(p.edit.positions)
-        data.pop("after")
-        out[str(address)] = data
-    return out
+    return {str(address): [_plain(address, p) for p in chain] for address, chain in planned.items()}
 
 
-def from_plain(plain: dict | None) -> dict[str, Edit] | None:
+def _plain(address: Address, p: Planned) -> dict:
+    if not isinstance(p.edit, EDITS):
+        raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
+                         f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
+    if p.full:
+        raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
+                         f"cluster replicas; give one position's value with positions=, or run locally")
+    data = wire(p)
+    for key in ("vector", "value"):
+        if key in data:
+            data[key] = getattr(p.edit, key).numpy()
+    data["positions"] = spec_to_json(p.edit.positions)
+    data.pop("after")
+    return data
+
+
+def from_plain(plain: dict | None) -> dict[str, list[Edit]] | None:
     """The edits :func:`to_plain` described, ready for ``edits=`` on the replica's model."""
     if not plain:
         return None
-    out = {}
-    for point, data in plain.items():
-        data = dict(data)
-        for key in ("vector", "value"):
-            if key in data:
-                data[key] = torch.from_numpy(data[key].copy())
-        edit = from_wire({**data, "heads": data.get("heads")})
-        positions = data["positions"]
-        if isinstance(positions, dict):
-            positions = slice(*positions["slice"])
-        out[point] = dataclasses.replace(edit, positions=positions)
-    return out
+    return {point: [_from_plain(data) for data in chain] for point, chain in plain.items()}
 
+
+def _from_plain(data: dict) -> Edit:
+    data = dict(data)
+    for key in ("vector", "value"):
+        if key in data:
+            data[key] = torch.from_numpy(data[key].copy())
+    edit = from_wire({**data, "heads": data.get("heads")})
+    positions = data["positions"]
+    if isinstance(positions, dict):
+        positions = slice(*positions["slice"])
+    return dataclasses.replace(edit, positions=positions)

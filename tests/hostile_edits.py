@@ -189,7 +189,7 @@ def a_worker_level_nan_edit_is_its_own_requests_problem(h):
     _vllm_only(h)
     tokens, addresses = h.model.check(_long_tokens(h), ["logits"])
     v0 = Address("v", 0)
-    cache = h.model._run(tokens, addresses, detach=True, edits={v0: Planned(v0, Set(torch.tensor(NAN)))})
+    cache = h.model._run(tokens, addresses, detach=True, edits={v0: (Planned(v0, Set(torch.tensor(NAN))),)})
     assert cache["logits"].isnan().all(), "the NaN did not reach the model: the check proves nothing"
     assert _on_worker(h, _non_finite_kv) > 0, "no NaN reached the KV cache"
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..address import Address, ModelInfo
 from ..archs import Arch, group_sites
-from ..edits import Planned, edit_activation
+from ..edits import Planned, edit_chain
 from ..positions import Selection, gather_positions
 from . import attention
 from .attention_edits import AttentionEditor
@@ -79,7 +79,7 @@ _STREAM_VIEWS = {
 class Recorder:
     def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
                  stop_early: bool = False, positions: Selection | None = None,
-                 edits: dict[Address, Planned] | None = None):
+                 edits: dict[Address, tuple[Planned, ...]] | None = None):
         self.hf = hf_model
         self.arch = arch
         self.info = info
@@ -95,7 +95,7 @@ class Recorder:
         self.start = 0
         self._index: tuple | None = None
         device = next(hf_model.parameters()).device
-        self.edits = {a: _on_device(p, device) for a, p in (edits or {}).items()}
+        self.edits = {a: tuple(_on_device(p, device) for p in chain) for a, chain in (edits or {}).items()}
         # hook key -> the edits applied there, in forward order; layer -> its (edited) input
         self._edit_at: dict[tuple, list[Address]] = defaultdict(list)
         self._stash: dict[tuple, int] = {}
@@ -207,30 +207,30 @@ class Recorder:
     def _edit(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` after the edits applied at hook ``key`` (the same tensor when there are none)."""
         for address in self._edit_at.get(key, ()):
-            planned = self.edits[address]
+            chain = self.edits[address]
             if address.name == "resid_mid":
                 pre = self._resid_pre[address.layer]
-                tensor = edit_activation(planned, pre + tensor, self.start) - pre
+                tensor = edit_chain(chain, pre + tensor, self.start) - pre
             elif address.name == "z":
                 heads = split_heads(address.name, tensor, self.info)
-                tensor = edit_activation(planned, heads, self.start).flatten(-2)
+                tensor = edit_chain(chain, heads, self.start).flatten(-2)
             elif address.name == "resid_streams":
-                tensor = self._edit_stream(planned, tensor)
+                tensor = self._edit_stream(address, chain, tensor)
             else:
-                tensor = edit_activation(planned, tensor, self.start)
+                tensor = edit_chain(chain, tensor, self.start)
         if key in self._stash:
             self._resid_pre[self._stash[key]] = tensor
         return tensor
 
-    def _edit_stream(self, planned: Planned, tensor: torch.Tensor) -> torch.Tensor:
+    def _edit_stream(self, address: Address, chain: tuple[Planned, ...], tensor: torch.Tensor) -> torch.Tensor:
         """Edit one stream of a layer's multi-stream output, in the table's layout (a single-stream
         model's only stream is the output itself)."""
-        layout, s = self.arch.sites["resid_streams"].layout, planned.address.stream
+        layout, s = self.arch.sites["resid_streams"].layout, address.stream
         if not layout:
-            return edit_activation(planned, tensor, self.start)
+            return edit_chain(chain, tensor, self.start)
         to_bpsd, from_bpsd = _STREAM_VIEWS[layout]
         streams = to_bpsd(tensor, self.info.n_streams)
-        edited = edit_activation(planned, streams[:, :, s], self.start)
+        edited = edit_chain(chain, streams[:, :, s], self.start)
         out = streams.clone()
         out[:, :, s] = edited
         return from_bpsd(out)

@@ -153,7 +153,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 positions: Selection | None, edits: dict | None = None):
         wire = sorted({str(self._read_as(a)) for a in addresses})
         layers = self._depth(addresses, edits) if options is None and self.shortens else None
-        edits = {str(a): edit_wire(planned) for a, planned in edits.items()} if edits else None
+        edits = {str(a): [edit_wire(p) for p in chain] for a, chain in edits.items()} if edits else None
         job = Job(tokens[0].tolist(), _sampling_params(options), wire, positions and positions.wire(), edits, layers)
         return self._loop.submit(job)
 

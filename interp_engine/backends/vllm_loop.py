@@ -57,7 +57,8 @@ class Job:
     points: list[str]
     #: ``{"positions": [...], "after": n}``: keep only those rows (None: every row)
     positions: dict | None = None
-    #: ``{address: edit as plain data}`` (edits_wire.wire): applied to this request's rows only
+    #: ``{address: [edit as plain data, ...]}`` (edits_wire.wire), in the order they apply: to this
+    #: request's rows only
     edits: dict | None = None
     #: how many layers this job needs (a prefill whose deepest point is in layer ``layers - 1``);
     #: None: every layer and the logits

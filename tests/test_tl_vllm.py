@@ -1,0 +1,108 @@
+"""Issue 26 on the vLLM backend, all against one shared engine: TransformerLens names and negative
+layers as addresses, layers as an int in the lens, lists of edits, batched activation patching,
+the final_norm site, the TL-style attributes and a compact repr. The oracle is the eager backend
+on the same weights (itself checked against hand-written hooks in tests/test_edits_compose.py
+and tests/test_tl_names.py), within the cross-backend tolerance."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from interp_engine import (Add, Address, Scale, Set, Zero, capture_generation, lens_top, logit_lens, parse_address,
+                           run_with_cache)
+
+from .oracles import REL, assert_near
+
+pytest.importorskip("vllm")
+
+PROMPT = "a prompt for the tl checks"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_path, eager_models):
+    from interp_engine import load_model
+
+    with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128) as vllm_model:
+        yield vllm_model, eager_models("llama")
+
+
+@pytest.fixture(scope="module")
+def tokens(models):
+    return models[1].to_tokens(PROMPT)
+
+
+def test_tl_names_and_negative_layers(models, tokens):
+    vllm_model, eager = models
+    n = eager.n_layers
+    points = ["blocks.-1.hook_resid_post", "blocks.0.attn.hook_z", "resid_pre.-2", ("mlp_post", -1)]
+    got = run_with_cache(vllm_model, tokens, points)
+    want = run_with_cache(eager, tokens, points)
+    real = [Address("resid_post", n - 1), Address("z", 0), Address("resid_pre", n - 2), Address("mlp_post", n - 1)]
+    assert list(got) == real
+    for address in real:
+        assert_near(got[address], want[address], str(address), REL)
+    assert got["resid_post", -1] is got[real[0]] is got[f"blocks.{n - 1}.hook_resid_post"]
+    vector = torch.randn(eager.d_model, generator=torch.Generator().manual_seed(4))
+    edits = {"blocks.-2.hook_resid_post": Add(vector, scale=5.0)}
+    got = run_with_cache(vllm_model, tokens, ["logits"], edits=edits)
+    want = run_with_cache(eager, tokens, ["logits"], edits={f"resid_post.{n - 2}": Add(vector, scale=5.0)})
+    plain = run_with_cache(eager, tokens, ["logits"])
+    assert (want["logits"] - plain["logits"]).abs().max() > 1e-3
+    assert_near(got["logits"], want["logits"], "edit at a negative layer", REL)
+
+
+def test_the_lens_with_negative_and_int_layers(models, tokens):
+    vllm_model, eager = models
+    got = run_with_cache(vllm_model, tokens, ["resid_post"])
+    want = run_with_cache(eager, tokens, ["resid_post"])
+    assert_near(logit_lens(vllm_model, got, -1), logit_lens(eager, want, [eager.n_layers - 1]), "lens -1", REL)
+    assert lens_top(vllm_model, got, [-1, 0]).layers == [eager.n_layers - 1, 0]
+
+
+def test_lists_of_edits_equal_eager(models, tokens):
+    vllm_model, eager = models
+    g = torch.Generator().manual_seed(6)
+    vector = torch.randn(eager.d_model, generator=g)
+    cases = {
+        "resid_post.1": [Add(vector, scale=3.0), Zero(positions=[0]), Scale(0.5, positions=[-1])],
+        "resid_mid.0": [Scale(2.0), Add(vector, positions=[1, 2])],  # written through attn_out
+        "z.1": [Scale(3.0, heads=[0, 1]), Set(torch.randn(eager.d_head, generator=g), heads=[0], positions=[-1])],
+        "k.0": [Scale(0.5), Set(torch.randn(eager.d_head, generator=g), heads=[0], positions=[1])],
+    }
+    plain = run_with_cache(eager, tokens, ["logits"])["logits"]
+    for address, chain in cases.items():
+        points = ["logits", address if address != "resid_mid.0" else "attn_out.0"]
+        got = run_with_cache(vllm_model, tokens, points, edits={address: chain})
+        want = run_with_cache(eager, tokens, points, edits={address: chain})
+        assert (want["logits"] - plain).abs().max() > 1e-4, address
+        reversed_ = run_with_cache(eager, tokens, ["logits"], edits={address: chain[::-1]})["logits"]
+        assert (reversed_ - want["logits"]).abs().max() > 1e-5, f"{address}: the order made no difference"
+        for point in points:
+            assert_near(got[point], want[point], f"{address}: {point}", REL)
+
+
+def test_lists_in_generation_and_beside_other_requests(models, tokens):
+    """A steering list during generation equals eager; requests in the same continuous batch
+    with other lists (or none) each get their own."""
+    vllm_model, eager = models
+    vector = torch.randn(eager.d_model, generator=torch.Generator().manual_seed(8))
+    steer = {"resid_post.1": [Add(vector, scale=20.0), Scale(0.8, positions="generated")]}
+    want, _ = capture_generation(eager, tokens, ["logits"], max_tokens=6, edits=steer)
+    got, _ = capture_generation(vllm_model, tokens, ["logits"], max_tokens=6, edits=steer)
+    assert got.token_ids == want.token_ids
+
+    other = {"resid_post.1": [Scale(0.5), Add(vector)]}
+    mine = {"resid_post.1": [Add(vector, scale=20.0), Scale(0.8, positions=[-1])]}
+
+    async def together():
+        return await asyncio.gather(vllm_model.capture(tokens, ["logits"], edits=mine),
+                                    vllm_model.capture(tokens, ["logits"], edits=other),
+                                    vllm_model.capture(tokens, ["logits"]))
+
+    results = asyncio.run(together())
+    for result, edits in zip(results, [mine, other, None]):
+        want = run_with_cache(eager, tokens, ["logits"], edits=edits)["logits"]
+        assert_near(result[parse_address("logits")], want, f"beside others: {edits}", REL)

@@ -19,7 +19,7 @@ from typing import Union
 from .capabilities import Capabilities
 from .sites import SITES as SITES
 from .sites import Site as Site
-from .errors import AddressError
+from .errors import AddressError, shown
 from .tl_names import from_tl_name, is_tl_name
 
 
@@ -39,7 +39,7 @@ class Address:
         for field in ("layer", "stream"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise AddressError(f"{field} of {self.name!r} must be an int, got {value!r}")
+                raise AddressError(f"{field} of {self.name!r} must be an int, got {shown(value)}")
         if site.per_layer and self.layer is None:
             raise AddressError(f"{self.name!r} needs a layer, e.g. Address({self.name!r}, 0)")
         if not site.per_layer and self.layer is not None:
@@ -112,7 +112,7 @@ def to_address(point: AddressLike) -> Address:
     if isinstance(point, tuple) and point and isinstance(point[0], str):
         return Address(*point)
     raise AddressError(
-        f"cannot read {point!r} as an address: use Address('resid_post', 10), "
+        f"cannot read {shown(point)} as an address: use Address('resid_post', 10), "
         f"'resid_post.10' or ('resid_post', 10)"
     )
 
@@ -200,10 +200,10 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
     if site.per_layer:
         layers = info.moe_layers if site.moe and info.moe_layers else range(info.n_layers)
         if address.layer not in layers:
-            shown = f"0..{info.n_layers - 1}" if layers == range(info.n_layers) else str(list(layers))
+            valid = f"0..{info.n_layers - 1}" if layers == range(info.n_layers) else str(list(layers))
             raise AddressError(
                 f"{format_address(address)!r}: layer {address.layer} is out of range; "
-                f"{info.name} has layers {shown} for {address.name!r} (negative layers count from the end: "
+                f"{info.name} has layers {valid} for {address.name!r} (negative layers count from the end: "
                 f"-1 is layer {info.n_layers - 1}, -{info.n_layers} is layer 0)"
             )
         if site.dense_mlp and address.layer in info.moe_layers:
@@ -316,7 +316,7 @@ def check_points(points, info: ModelInfo, caps: Capabilities) -> list[Address]:
     if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
         raise AddressError(
             f"points must be a list of addresses, e.g. ['resid_post.0'] or [Address('resid_post', 0)], "
-            f"got {type(points).__name__} ({points!r:.40})"
+            f"got {type(points).__name__} ({shown(points)})"
         )
     points = list(points)
     if not points:

@@ -42,7 +42,7 @@ from .errors import AddressError, InputError, shown
 from .positions import Selection, as_int, check_spec, resolve
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Add:
     """``x + scale * vector`` (``norm_relative``: ``x + scale * |x| * vector / |vector|``)."""
 
@@ -53,7 +53,7 @@ class Add:
     heads: tuple | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Scale:
     """``factor * x``."""
 
@@ -62,7 +62,7 @@ class Scale:
     heads: tuple | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Set:
     """``value`` in place of ``x`` (broadcast to the edited rows; on eager also a whole
     ``[batch, pos, ...]`` tensor)."""
@@ -72,13 +72,30 @@ class Set:
     heads: tuple | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Zero:
     """Zeros in place of ``x`` (ablation)."""
 
     positions: object = None
     heads: tuple | None = None
 
+
+def _edit_repr(edit) -> str:
+    """``Add(Tensor[576] float32, scale=8.0)``: the fields that differ from their defaults, a
+    tensor as its shape and dtype (an edit's repr ends up in error messages)."""
+    parts = []
+    for field in dataclasses.fields(edit):
+        value = getattr(edit, field.name)
+        if field.default is dataclasses.MISSING:
+            parts.append(shown(value))
+        elif not (value is field.default or (isinstance(value, (int, float, bool, str, type(None)))
+                                             and type(value) is type(field.default) and value == field.default)):
+            parts.append(f"{field.name}={shown(value)}")
+    return f"{type(edit).__name__}({', '.join(parts)})"
+
+
+for _cls in (Add, Scale, Set, Zero):
+    _cls.__repr__ = _edit_repr
 
 Edit = Union[Add, Scale, Set, Zero]
 EDITS = (Add, Scale, Set, Zero)
@@ -135,7 +152,7 @@ def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor
         name = _site_name(point)
         if name not in writable:
             raise AddressError(
-                f"{point!r} cannot be edited on the {caps.name} backend"
+                f"{shown(point)} cannot be edited on the {caps.name} backend"
                 + (f" ({caps.label} never forms the attention pattern)"
                    if name in SITES and SITES[name].needs_pattern and not caps.forms_pattern else "")
                 + f"; writable sites of this model there: {', '.join(writable)}")
@@ -165,7 +182,7 @@ def _site_name(point) -> str:
 def _one_address(point, info, caps) -> list[Address]:
     addresses = check_points([point], info, caps)
     if len(addresses) != 1 or addresses[0].layer is None:
-        raise AddressError(f"an edit writes one layer's address such as 'resid_post.3', got {point!r}")
+        raise AddressError(f"an edit writes one layer's address such as 'resid_post.3', got {shown(point)}")
     return addresses
 
 
@@ -177,7 +194,7 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
                 f"takes edits as data: Add(vector), Scale(factor), Set(value), Zero() (with positions=, heads=)")
         return Planned(address, edit)
     if not isinstance(edit, EDITS):
-        raise InputError(f"edit on {address}: {edit!r} is not an edit; use Add(vector), Scale(factor), "
+        raise InputError(f"edit on {address}: {shown(edit)} is not an edit; use Add(vector), Scale(factor), "
                          f"Set(value) or Zero() (or a function on eager)")
     heads = _check_heads(address, edit.heads, info)
     positions = check_spec(edit.positions)
@@ -194,7 +211,7 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
         changes["vector"] = _fit(address, "Add's vector", edit.vector, block)
         changes["scale"] = _number(address, "Add's scale", edit.scale)
         if not isinstance(edit.norm_relative, bool):
-            raise InputError(f"edit on {address}: norm_relative must be True or False, got {edit.norm_relative!r}")
+            raise InputError(f"edit on {address}: norm_relative must be True or False, got {shown(edit.norm_relative)}")
         _check_add(address, changes["vector"], changes["scale"], edit.norm_relative)
     elif isinstance(edit, Scale):
         changes["factor"] = _number(address, "Scale's factor", edit.factor)
@@ -224,7 +241,7 @@ def _check_heads(address, heads, info) -> tuple[int, ...] | None:
     n = info.n_kv_heads if address.name in ("k", "v") else info.n_heads
     heads = list(heads) if isinstance(heads, (list, tuple, range)) else heads
     if not isinstance(heads, list) or not heads or any(as_int(h) is None for h in heads):
-        raise InputError(f"edit on {address}: heads must be a non-empty list of ints, got {heads!r}")
+        raise InputError(f"edit on {address}: heads must be a non-empty list of ints, got {shown(heads)}")
     heads = [as_int(h) for h in heads]
     bad = [h for h in heads if not 0 <= h < n]
     if bad:
@@ -243,15 +260,15 @@ _WHY_FINITE = ("a NaN or inf spreads through every later position and layer of t
 def _number(address, name, value) -> float:
     """A finite real number (numpy scalars such as ``np.float32(0.5)`` count) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InputError(f"edit on {address}: {name} must be a number, got {value!r}")
+        raise InputError(f"edit on {address}: {name} must be a number, got {shown(value)}")
     try:
         number = float(value)
     except OverflowError:
         number = math.inf
     if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
-        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
+        text = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
         raise InputError(f"edit on {address}: {name} must be a finite number within float32 (|x| <= 3.4e38), "
-                         f"got {shown}: {_WHY_FINITE}")
+                         f"got {text}: {_WHY_FINITE}")
     return number
 
 

@@ -158,7 +158,9 @@ def shown(value) -> str:
     if shape is not None and dtype is not None and hasattr(value, "ndim"):
         kind = "Tensor" if type(value).__module__.startswith("torch") else type(value).__name__
         if getattr(value, "ndim", 1) == 0:
-            return f"{kind}({_cut(repr(value.item()))}) {str(dtype).removeprefix('torch.')}"
+            if kind == "Tensor":
+                return f"Tensor({_cut(repr(value.item()))}) {str(dtype).removeprefix('torch.')}"
+            return _cut(repr(value.item()))  # a numpy scalar reads as its number
         return f"{kind}[{', '.join(map(str, shape))}] {str(dtype).removeprefix('torch.')}"
     if isinstance(value, (list, tuple)) and len(value) > 8:
         return f"{type(value).__name__} of {len(value)}: {repr(list(value[:3]))[:-1]}, ...]"

@@ -96,9 +96,20 @@ class Cache(Mapping):
     def __len__(self) -> int:
         return len(self._data)
 
+    #: how many addresses a repr lists before it summarises the rest
+    REPR_ITEMS = 4
+
     def __repr__(self) -> str:
-        items = ", ".join(f"{format_address(a)}: {tuple(t.shape)}" for a, t in self._data.items())
-        return f"Cache({self.model_name!r}, backend={self.backend!r}, tokens={tuple(self.tokens.shape)}, {{{items}}})"
+        """``Cache('SmolLM2-135M-Instruct', eager, 1 x 5 tokens, 31 addresses: resid_post.0 [1, 5, 576], ...)``:
+        the addresses and shapes, the first few and the last, never the values."""
+        items = [f"{format_address(a)} [{', '.join(map(str, t.shape))}]" for a, t in self._data.items()]
+        if len(items) > self.REPR_ITEMS + 1:
+            items = items[: self.REPR_ITEMS] + [f"... {len(items) - self.REPR_ITEMS - 1} more", items[-1]]
+        name = self.model_name.rstrip("/").rsplit("/", 1)[-1]
+        batch, width = self.tokens.shape
+        held = f", {self.mask.shape[1]} positions held" if self.selected else ""
+        return (f"Cache({name!r}, {self.backend or 'unknown backend'}, {batch} x {width} tokens{held}, "
+                f"{len(self._data)} addresses: {', '.join(items) or 'none'})")
 
     @property
     def lengths(self) -> torch.Tensor:

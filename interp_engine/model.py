@@ -45,6 +45,15 @@ class CaptureModel:
     batch_hint: str = "For a padded batch, run_with_cache(model, tokens, points) takes it whole."
 
     # -- facts ---------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        """``EagerModel('SmolLM2-135M-Instruct', 30 layers, float32, cpu)``: what it is, not its modules."""
+        extra = "".join(f", {x}" for x in self._repr_extras())
+        return f"{type(self).__name__}({self.cfg.model_name!r}, {self.n_layers} layers, {self.dtype}{extra})"
+
+    def _repr_extras(self) -> list[str]:
+        """What a backend adds to its repr (its device, its engine's size, its replicas)."""
+        return []
+
     @property
     def backend(self) -> str:
         """The ``backend=`` name this model was loaded with."""
@@ -83,6 +92,23 @@ class CaptureModel:
     @property
     def d_mlp(self) -> int:
         return self.info.d_mlp
+
+    @property
+    def d_vocab(self) -> int:
+        return self.info.d_vocab
+
+    @property
+    def cfg(self):
+        """The model's facts under TransformerLens's config names (``cfg.d_model``, ``cfg.n_layers``,
+        ``cfg.n_key_value_heads``, ...), read-only: :class:`~.tl_names.TLConfig`."""
+        from .tl_names import tl_config
+
+        return tl_config(self.info, self.dtype, getattr(self, "device", None))
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer (``model.tok`` wraps it with ``to_tokens`` and padding)."""
+        return self.tok.hf
 
     def to_tokens(self, text: str | list[str], *, prepend_bos: bool | None = None) -> torch.Tensor:
         """``"text"`` -> ``[1, pos]`` token ids; a list -> a right-padded batch (see tokens.py).

@@ -11,10 +11,13 @@ Only names whose tensor is exactly ours are in the table. TransformerLens's ``ho
 are *before* rotary, ours after (``hook_rot_q`` / ``hook_rot_k``), so they are not the same point;
 names with no equivalent (the norms' inputs, ``hook_attn_scores``, ``hook_result``) are refused
 with the closest address this engine serves and how to get what the name meant.
+
+``model.cfg`` (:class:`TLConfig`) gives the model's facts under TransformerLens's config names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 
@@ -35,6 +38,7 @@ TL_HOOKS: dict[str, str] = {
     "mlp_post": "blocks.{L}.mlp.hook_post",
     "expert_weights": "blocks.{L}.mlp.hook_expert_weights",
     "expert_indices": "blocks.{L}.mlp.hook_expert_indices",
+    "final_norm": "ln_final.hook_normalized",
 }
 
 #: TransformerLens names with no exact equivalent here -> (the closest site, what to do instead)
@@ -62,6 +66,7 @@ CLOSEST: dict[str, tuple[str, str]] = {
     "blocks.{L}.ln2.hook_scale": ("resid_mid", "the norm's input is resid_mid.{L}; its scale is not a point"),
     "blocks.{L}.mlp.hook_pre": ("mlp_post", "mlp_post.{L} is the hidden activation entering the down "
                                             "projection (after the activation function and any gate)"),
+    "ln_final.hook_scale": ("final_norm", "final_norm is the final norm's output; its scale is not a point"),
     "blocks.{L}.mlp.hook_pre_linear": ("mlp_post", "mlp_post.{L} is the hidden activation entering the down "
                                                    "projection (after the gate)"),
 }
@@ -122,3 +127,39 @@ def tl_name(address) -> str:
         raise AddressError(f"{address.name!r} has no TransformerLens hook name; these do: "
                            f"{', '.join(TL_HOOKS)}")
     return template.format(L=address.layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class TLConfig:
+    """``model.cfg``: the model's facts under TransformerLens's ``HookedTransformerConfig`` names,
+    read-only (a frozen view: the model's shape is not changed by editing it)."""
+
+    model_name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int
+    n_key_value_heads: int
+    num_experts: int | None
+    experts_per_token: int | None
+    dtype: object  # a torch.dtype
+    device: str | None
+    original_architecture: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def tl_config(info, dtype, device, architecture: str = "") -> TLConfig:
+    """``model.cfg`` of a model with these facts (:class:`~interp_engine.address.ModelInfo`)."""
+    import torch
+
+    return TLConfig(model_name=info.name.rstrip("/").rsplit("/", 1)[-1], n_layers=info.n_layers,
+                    d_model=info.d_model, n_heads=info.n_heads, d_head=info.d_head, d_mlp=info.d_mlp,
+                    d_vocab=info.d_vocab, n_ctx=info.n_ctx, n_key_value_heads=info.n_kv_heads,
+                    num_experts=info.n_experts or None, experts_per_token=info.top_k or None,
+                    dtype=getattr(torch, dtype), device=None if device is None else str(device),
+                    original_architecture=architecture or info.family)

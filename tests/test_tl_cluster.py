@@ -65,3 +65,18 @@ def test_tl_names_negative_layers_and_lists_on_a_cluster(which, cluster_llama, r
     want_c, _ = capture_generation(local, prompt, ["logits"], max_tokens=4, edits=steer)
     got_c, got_cache = capture_generation(model, prompt, ["logits"], max_tokens=4, edits=steer)
     assert got_c.token_ids == want_c.token_ids and got_cache.n_layers == n
+
+
+@pytest.mark.parametrize("which", ["eager", "vllm"])
+def test_final_norm_cfg_and_repr_on_a_cluster(which, cluster_llama, request, local):
+    model = cluster_llama if which == "eager" else request.getfixturevalue("cluster_vllm")
+    tokens = local.tok.to_tokens(PROMPTS)
+    got = run_with_cache(model, tokens, ["ln_final.hook_normalized", "logits"])
+    want = run_with_cache(local, tokens, ["final_norm", "logits"])
+    for address in want:
+        assert_near(got[address], want[address], f"{which} cluster {address}", REL)
+    fields = lambda cfg: {k: v for k, v in cfg.to_dict().items() if k != "device"}  # noqa: E731
+    assert fields(model.cfg) == fields(local.cfg) and model.tokenizer("a b")["input_ids"] == local.tokenizer("a b")["input_ids"]
+    name = local.name.rstrip("/").rsplit("/", 1)[-1]
+    replicas = 2 if which == "eager" else 1
+    assert repr(model) == f"ClusterModel({name!r}, {local.n_layers} layers, float32, backend={which!r}, replicas={replicas})"

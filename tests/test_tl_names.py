@@ -5,6 +5,8 @@ library's table, so a wrong entry there fails here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ SPELLED = {
     "blocks.3.mlp.hook_post": Address("mlp_post", 3),
     "blocks.6.mlp.hook_expert_weights": Address("expert_weights", 6),
     "blocks.6.mlp.hook_expert_indices": Address("expert_indices", 6),
+    "ln_final.hook_normalized": Address("final_norm"),
 }
 
 
@@ -65,7 +68,7 @@ def test_points_without_a_tl_name_say_so():
 
 def test_the_saelens_export_names_its_column_from_the_same_table():
     for name, address in SPELLED.items():
-        if address.name not in ("pattern", "expert_weights", "expert_indices"):
+        if address.name not in ("pattern", "expert_weights", "expert_indices", "final_norm"):
             assert tl_hook_name(str(address)) == name
 
 
@@ -150,3 +153,32 @@ def test_analysis_takes_negative_layers_and_an_int(model, tokens):
         stack(cache, "resid_post.1")
     with pytest.raises(AnalysisError, match=r"layer=-4 is out of range: layers are 0\.\.2"):
         logit_lens(model, cache, -4)
+
+
+def test_cfg_tokenizer_and_d_vocab_as_transformer_lens_names_them(model):
+    config = model.hf.config  # the oracle: the Hugging Face config, read by hand
+    cfg = model.cfg
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab, cfg.n_ctx,
+            cfg.n_key_value_heads) == (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                                       config.head_dim, config.intermediate_size, config.vocab_size,
+                                       config.max_position_embeddings, config.num_key_value_heads)
+    assert cfg.dtype == torch.float32 and cfg.num_experts is None and model.d_vocab == config.vocab_size
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_layers = 1
+    assert model.tokenizer("a b c")["input_ids"] == model.to_tokens("a b c")[0].tolist()
+
+
+def test_final_norm_is_what_the_unembedding_reads(model, tokens):
+    """final_norm equals Hugging Face's last hidden state (after the model's norm), and the
+    unembedding of it is the logits; asked with an early layer, the forward still runs whole."""
+    cache = run_with_cache(model, tokens, ["ln_final.hook_normalized", "resid_post.0", "logits", "resid_post.-1"])
+    real = tokens >= 0
+    with torch.no_grad():
+        hidden = model.hf(input_ids=tokens.clamp(min=0), attention_mask=real, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(cache["final_norm"][real], hidden[-1][real], rtol=1e-6, atol=1e-6)
+    assert torch.equal(cache["final_norm"][~real], torch.zeros_like(cache["final_norm"][~real]))
+    assert torch.equal(model.unembed(cache["final_norm"])[real], cache["logits"][real])
+    assert torch.equal(model.final_norm(cache["resid_post", -1])[real], cache["final_norm"][real])
+    alone = run_with_cache(model, tokens, ["final_norm", "resid_post.0"], positions=-1)
+    assert torch.equal(alone["final_norm"][:, 0], torch.stack([cache["final_norm"][b, int(n) - 1]
+                                                                for b, n in enumerate(real.sum(1))]))

@@ -106,3 +106,23 @@ def test_lists_in_generation_and_beside_other_requests(models, tokens):
     for result, edits in zip(results, [mine, other, None]):
         want = run_with_cache(eager, tokens, ["logits"], edits=edits)["logits"]
         assert_near(result[parse_address("logits")], want, f"beside others: {edits}", REL)
+
+
+def test_final_norm_cfg_tokenizer_repr_and_short_errors(models, tokens):
+    vllm_model, eager = models
+    got = run_with_cache(vllm_model, tokens, ["ln_final.hook_normalized", "logits", "resid_post.0"])
+    want = run_with_cache(eager, tokens, ["final_norm", "logits"])
+    assert_near(got["final_norm"], want["final_norm"], "final_norm", REL)
+    assert_near(vllm_model.unembed(got["final_norm"]), got["logits"], "unembed(final_norm) = logits", REL)
+    alone = run_with_cache(vllm_model, tokens, ["final_norm"], positions=[-1])
+    assert_near(alone["final_norm"], want["final_norm"][:, -1:], "final_norm alone, last position", REL)
+    fields = lambda cfg: {k: v for k, v in cfg.to_dict().items() if k != "device"}  # noqa: E731
+    assert fields(vllm_model.cfg) == fields(eager.cfg) and vllm_model.d_vocab == eager.d_vocab
+    assert vllm_model.tokenizer("a b")["input_ids"] == eager.tokenizer("a b")["input_ids"]
+    name = eager.name.rstrip("/").rsplit("/", 1)[-1]
+    assert repr(vllm_model) == (f"VllmModel({name!r}, {eager.n_layers} layers, float32, tensor_parallel_size=1, "
+                                f"max_model_len=128)")
+    big = torch.arange(eager.d_model * 4.0) + 1000
+    with pytest.raises(ValueError) as info:
+        run_with_cache(vllm_model, tokens, ["logits"], edits={"resid_post.1": Scale(big)})
+    assert "Tensor[512] float32" in str(info.value) and len(str(info.value)) < 600

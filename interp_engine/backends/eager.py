@@ -72,6 +72,9 @@ class EagerModel(CaptureModel):
         wrapped = attention.EAGER if attention.implementation(self.hf) == "eager" else attention.SDPA
         attention.set_implementation(self.hf, wrapped)
 
+    def _repr_extras(self) -> list[str]:
+        return [str(self.device)] + (["requires_grad"] if self.requires_grad else [])
+
     @property
     def device(self) -> torch.device:
         return next(self.hf.parameters()).device
@@ -123,9 +126,10 @@ class EagerModel(CaptureModel):
     def _run(self, tokens, addresses, *, detach, positions=None, edits=None):
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
+        whole = any(a.layer is None for a in addresses)  # the logits or the final norm: every layer runs
         with self._lock, self._grad_context(detach):
             cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs
-            with self._recorder(addresses, detach=detach, stop_early=not want_logits,
+            with self._recorder(addresses, detach=detach, stop_early=not whole,
                                 positions=positions, edits=edits) as recorder:
                 try:
                     out = self.hf(

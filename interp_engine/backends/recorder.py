@@ -49,6 +49,9 @@ def _on_device(planned: Planned, device: torch.device) -> Planned:
     return dataclasses.replace(planned, edit=moved)
 
 
+FINAL_NORM = Address("final_norm")
+
+
 class StopForward(Exception):
     """Raised by a hook once every requested layer has run, to skip the rest of the model."""
 
@@ -178,6 +181,10 @@ class Recorder:
             else:
                 handle = module.register_forward_hook(self._output_hook(key, addresses))
                 self._stack.callback(handle.remove)
+        if FINAL_NORM in self._wanted:  # the final norm's output, what the unembedding reads
+            norm = self.hf.get_submodule(self.arch.final_norm)
+            handle = norm.register_forward_hook(lambda module, args, out: self.keep(FINAL_NORM, out))
+            self._stack.callback(handle.remove)
         if any(h.layout == "(b p) ..." for h in self._hooks.values()):
             handle = self.hf.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
             self._stack.callback(handle.remove)

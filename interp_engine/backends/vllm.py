@@ -94,6 +94,9 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             self.close()
             raise
 
+    def _repr_extras(self) -> list[str]:
+        return [f"tensor_parallel_size={self.tensor_parallel_size}", f"max_model_len={self.max_model_len}"]
+
     @classmethod
     def capabilities_for(cls, hf_config) -> Capabilities:
         """The capabilities of a model with this config before its engine starts (the engine may

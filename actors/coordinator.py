@@ -23,12 +23,12 @@ from interp_engine import cancel
 from interp_engine.address import parse_address
 from interp_engine.batching import chunk_bounds, join_rows
 from interp_engine.errors import InternalError, user_error
-from interp_engine.dataset_shard import ShardSpec, ShardStats
+from interp_engine.dataset.shard import ShardSpec, ShardStats
 from interp_engine.tokens import unpad
 
 from .replica import ray_task_cancelled
 from .scheduler import ReplicaDied, Scheduler, Shard
-from .wire import Captured, Generated, pack_dict
+from interp_engine.wire import CaptureReply, GenerationReply, pack_dict
 
 
 class CoordinatorCore:
@@ -59,11 +59,11 @@ class CoordinatorCore:
             self.resubmitted += scheduler.resubmitted
             self.rejoined += scheduler.rejoined
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> Captured:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> CaptureReply:
         tokens = np.asarray(tokens)
         shards = self._row_shards(tokens, list(points), positions, edits)
         scheduler = self._scheduler()
-        results: dict[int, Captured] = {}
+        results: dict[int, CaptureReply] = {}
         try:
             for shard, captured in scheduler.run("run", shards):
                 results[shard.index] = captured
@@ -76,7 +76,7 @@ class CoordinatorCore:
         held = None if positions is None else [torch.from_numpy(np.array(p.positions)) for p in parts]
         joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
                                          tokens.shape[1], held)
-        return Captured(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
+        return CaptureReply(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
 
     def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
@@ -88,7 +88,7 @@ class CoordinatorCore:
         return [Shard(i, (tokens[a:b], points, positions, edits)) for i, (a, b) in enumerate(bounds)]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
-                 edits=None) -> Generated:
+                 edits=None) -> GenerationReply:
         scheduler = self._scheduler()
         try:
             for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions, edits))]):

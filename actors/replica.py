@@ -17,15 +17,13 @@ import numpy as np
 import torch
 
 from interp_engine import cancel
-from interp_engine.address import parse_address
 from interp_engine.batching import run_padded
-from interp_engine.dataset_shard import ShardSpec, ShardStats
-from interp_engine.dataset_writer import MAX_WRITERS, ShardWriter
-from interp_engine.dtypes import Packed
-from interp_engine.edits_wire import from_plain
+from interp_engine.dataset.shard import ShardSpec, ShardStats
+from interp_engine.dataset.writer import MAX_WRITERS, ShardWriter
 from interp_engine.model import CaptureModel
+from interp_engine.request import Points
 
-from .wire import Captured, Generated, pack_dict
+from interp_engine.wire import CaptureReply, GenerationReply, Packed, edits_from_replica, pack_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +70,7 @@ class ReplicaCore:
         #: bytes of the activations this replica has returned (what crosses to the coordinator)
         self.bytes_returned = 0
         #: dataset shards are written on threads beside the capture of the next
-        #: (:mod:`interp_engine.dataset_writer`); the eager backend runs one forward at a time
+        #: (:mod:`interp_engine.dataset.writer`); the eager backend runs one forward at a time
         #: (its own lock), a vLLM engine batches concurrent calls itself
         self.shards = ShardWriter(self.model)
 
@@ -89,24 +87,24 @@ class ReplicaCore:
     def weights_sha256(self) -> str:
         return self.model.facts()["weights_sha256"]
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> Captured:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> CaptureReply:
         """Capture a padded batch (split per prompt where the backend takes one at a time).
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
-        are ever returned. ``edits``: plain data (:func:`interp_engine.edits_wire.to_plain`)."""
+        are ever returned. ``edits``: plain data (:func:`interp_engine.wire.edits_for_replica`)."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         with cancel.watching(self.stop_check):
-            cache = run_padded(self.model, batch, [parse_address(p) for p in points], positions, from_plain(edits))
-        captured = Captured(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
+            cache = run_padded(self.model, batch, Points.trusted(points), positions, edits_from_replica(edits))
+        captured = CaptureReply(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
         return captured
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
-                 edits=None) -> Generated:
+                 edits=None) -> GenerationReply:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         with cancel.watching(self.stop_check):
-            completion, cache = self.model.capture_generation(batch, [parse_address(p) for p in points],
-                                                              positions=positions, edits=from_plain(edits), **options)
-        generated = Generated(completion.text, list(completion.token_ids), completion.finish_reason,
+            completion, cache = self.model.capture_generation(batch, Points.trusted(points),
+                                                              positions=positions, edits=edits_from_replica(edits), **options)
+        generated = GenerationReply(completion.text, list(completion.token_ids), completion.finish_reason,
                               pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += generated.nbytes
         return generated

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from interp_engine import cancel
 from interp_engine.errors import ShardFailed
 
-from .wire import relabel, where
+from interp_engine.wire import relabel, where
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,7 +140,7 @@ def part_eager(args, texts, work) -> dict:
 
     from interp_engine import load_model
     from interp_engine.batching import plan_batches
-    from interp_engine.dataset_shard import BATCH_TOKENS
+    from interp_engine.dataset.shard import BATCH_TOKENS
     from interp_engine.tokens import pad_batch
 
     model = load_model(SMOL)
@@ -200,8 +200,8 @@ def part_write(args, work) -> dict:
 
     from interp_engine.address import Address
     from interp_engine.cache import Cache
-    from interp_engine.dataset_shard import Captured, ShardSpec, shard_bytes, shard_table
-    from interp_engine.dataset_store import Store
+    from interp_engine.dataset.shard import Captured, ShardSpec, shard_bytes, shard_table
+    from interp_engine.dataset.store import Store
 
     sys.path.insert(0, str(Path(__file__).parents[1]))
     prompts_, length, width = 64, 128, 4096

@@ -200,7 +200,7 @@ def machine_parallelism(n: int = 4000) -> float:
 def replica_work(model, texts, points, store) -> dict:
     """A replica's whole work for one build (96 prompts in shards of 8), done in this process, in
     seconds by phase: capture and Arrow encoding (``capture_table``), Parquet encoding, the write."""
-    from interp_engine.dataset_shard import ShardSpec, capture_table, shard_bytes
+    from interp_engine.dataset.shard import ShardSpec, capture_table, shard_bytes
 
     spec = ShardSpec(store, tuple(points), "token", "float32", 64, -(-len(texts) // 8), 8)
     out = {"capture_and_table": 0.0, "parquet": 0.0, "write": 0.0}
@@ -220,7 +220,7 @@ def replica_work(model, texts, points, store) -> dict:
 def phases(model_name: str, texts, points, work: Path) -> dict:
     """:func:`replica_work` with the model loaded in this process (one torch thread)."""
     from interp_engine import load_model
-    from interp_engine.dataset_store import Store
+    from interp_engine.dataset.store import Store
 
     (work / "phases").mkdir()
     return replica_work(load_model(model_name), texts, points, Store.of(str(work / "phases")))
@@ -232,7 +232,7 @@ def work_child(args) -> None:
     import torch
 
     from interp_engine import load_model
-    from interp_engine.dataset_store import Store
+    from interp_engine.dataset.store import Store
 
     torch.set_num_threads(1)
     model = load_model(args.model)

@@ -30,7 +30,7 @@ import torch
 from timing import alternate, median, paired, ratio  # bench/timing.py, beside this file
 
 from interp_engine import Address, load_model, run_with_cache
-from interp_engine.backends import attention
+from interp_engine.backends.eager import attention
 
 DENSE_SITES = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z", "q", "k", "v", "mlp_post"]
 

@@ -44,7 +44,7 @@ import transformers
 from timing import alternate, fastest, median, paired  # bench/timing.py, beside this file
 
 from interp_engine import Address, embedded, load_model, relative_error, run_with_cache
-from interp_engine.backends import attention
+from interp_engine.backends.eager import attention
 
 WORKLOADS = {"resid_post": ("resid_post",), "three": ("resid_post", "z", "mlp_out")}
 # Within a layer, the order the forward computes the sites; nnsight reads modules in that order.

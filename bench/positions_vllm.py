@@ -27,7 +27,7 @@ import time
 from vllm_capture import gather, prompts
 
 from interp_engine import load_model
-from interp_engine.backends.vllm_loop import run_on_loop
+from interp_engine.backends.vllm.loop import run_on_loop
 
 
 def bytes_returned(model) -> int:

@@ -88,12 +88,12 @@ def plain_generate(model, batch, new_tokens, detokenize=True):
 def plain_loop(model, batch, new_tokens):
     # The backend's engine thread with jobs that register no points: plain generation through
     # the same driver the captures use (internal API, benchmark only).
-    from interp_engine.backends.vllm import _sampling_params
-    from interp_engine.backends.vllm_loop import Job
+    from interp_engine.backends.vllm.model import _sampling_params
+    from interp_engine.backends.vllm.loop import Job
     from interp_engine.model import Sampling
 
     params = _sampling_params(Sampling(max_tokens=new_tokens, stop_at_eos=False))
-    futures = [model._loop.submit(Job(t[0].tolist(), params, [])) for t in batch]
+    futures = [model._loop.submit(Job(t[0].tolist(), params)) for t in batch]
     assert all(len(f.result().output.outputs[0].token_ids) == new_tokens for f in futures)
 
 

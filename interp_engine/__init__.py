@@ -23,9 +23,9 @@ from .edits import Add as Add
 from .edits import Scale as Scale
 from .edits import Set as Set
 from .edits import Zero as Zero
-from .dataset import ActivationDataset as ActivationDataset
-from .dataset import build_dataset as build_dataset
-from .dataset_export import export_saelens as export_saelens
+from .dataset.build import ActivationDataset as ActivationDataset
+from .dataset.build import build_dataset as build_dataset
+from .dataset.export import export_saelens as export_saelens
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens
@@ -38,7 +38,7 @@ from .protocol import CaptureBackend as CaptureBackend
 from .protocol import HasOProj as HasOProj
 from .protocol import HasUnembedding as HasUnembedding
 from .protocol import WritesShards as WritesShards
-from .moe import expert_assignment as expert_assignment
+from .routing import expert_assignment as expert_assignment
 from .tokens import PAD_ID as PAD_ID
 
 from .errors import AddressError as AddressError

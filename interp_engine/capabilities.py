@@ -49,8 +49,8 @@ class Capabilities:
 #: ``backend=`` name -> ``"module:Class"`` of the :class:`~interp_engine.model.CaptureModel`
 #: subclass that implements it; the class has ``capabilities`` and a ``load`` classmethod
 LOADERS: dict[str, str] = {
-    "eager": "interp_engine.backends.eager:EagerModel",
-    "vllm": "interp_engine.backends.vllm:VllmModel",
+    "eager": "interp_engine.backends.eager.model:EagerModel",
+    "vllm": "interp_engine.backends.vllm.model:VllmModel",
 }
 
 

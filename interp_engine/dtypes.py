@@ -3,15 +3,13 @@
 Models, datasets and the wire to replicas name dtypes the same way (``"float32"``,
 ``"bfloat16"``, ``"float16"``; ``load_model`` also takes ``fp32`` / ``bf16`` / ``fp16``).
 numpy has no bfloat16: a bf16 tensor crosses numpy (Ray's object store, Parquet format 1) as its
-raw 16-bit pattern in an int16 array and is viewed back, so nothing is rounded; :class:`Packed`
-is a tensor in that form, what crosses processes.
+raw 16-bit pattern in an int16 array and is viewed back, so nothing is rounded (:class:`interp_engine.wire.Packed` is a
+tensor in that form, what crosses processes).
 """
 
 from __future__ import annotations
 
-import dataclasses
 
-import numpy as np
 import torch
 
 #: the floating-point dtypes activations and weights are held in
@@ -45,23 +43,3 @@ def as_bfloat16(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype in (torch.int16, torch.uint16):
         return tensor.view(torch.int16).view(torch.bfloat16)
     return tensor.to(torch.bfloat16)
-
-
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """A tensor as a numpy array plus the torch dtype it came from."""
-
-    array: np.ndarray
-    dtype: str
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Packed":
-        tensor = tensor.detach().cpu().contiguous()
-        if tensor.dtype == torch.bfloat16:
-            return cls(bf16_bits(tensor).numpy(), "bfloat16")
-        return cls(tensor.numpy(), dtype_name(tensor.dtype))
-
-    def tensor(self) -> torch.Tensor:
-        # Arrays out of the object store are read-only; the copy gives the user a tensor they own.
-        out = torch.from_numpy(np.array(self.array, copy=True))
-        return as_bfloat16(out) if self.dtype == "bfloat16" else out

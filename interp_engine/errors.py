@@ -8,7 +8,7 @@ that cannot be found a ``FileNotFoundError``), so generic handlers keep working.
 :class:`InternalError` means an invariant of the library itself broke: a bug to report, whose
 message starts with ``"[Internal]"``.
 
-Errors raised in a replica cross the process boundary by type: ``actors/wire.relabel`` rebuilds
+Errors raised in a replica cross the process boundary by type: ``wire.relabel`` rebuilds
 the same class with the replica and shard in front of the message, so every class here must be
 constructible from its message alone.
 """

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from . import embedded
 from .capabilities import check_backend
-from .local import BACKENDS, load_local, resolve
+from .local import BACKENDS, load_local, find_model
 from .model import CaptureModel
 
-__all__ = ["BACKENDS", "load_model", "resolve"]
+__all__ = ["BACKENDS", "load_model", "find_model"]
 
 
 def load_model(
@@ -35,7 +35,7 @@ def load_model(
     """
     check_backend(backend)  # by name: a cluster load never imports the backend on the driver
     if replicas is not None:
-        from .cluster import load_cluster_model
+        from .cluster.model import load_cluster_model
 
         return load_cluster_model(name_or_path, backend=backend, replicas=replicas, requires_grad=requires_grad,
                                   dtype=dtype, device=device, **backend_options)

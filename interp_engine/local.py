@@ -22,7 +22,7 @@ from .errors import ModelNotFound
 BACKENDS = tuple(LOADERS)
 
 
-def resolve(name_or_path: str) -> Path:
+def find_model(name_or_path: str) -> Path:
     """The local folder that holds ``name_or_path``'s weights and tokenizer."""
     path = Path(os.path.expanduser(str(name_or_path)))
     if path.is_dir():
@@ -59,7 +59,7 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
     """Load ``name_or_path`` on ``backend`` in this process (see :func:`interp_engine.load_model`):
     the backend's class is looked up in :data:`~.capabilities.LOADERS` and loads it."""
     cls = backend_class(backend)
-    path = resolve(name_or_path)
+    path = find_model(name_or_path)
     if requires_grad and not cls.capabilities.gradients:
         with_grad = [n for n in BACKENDS if backend_class(n).capabilities.gradients]
         raise ValueError(f"requires_grad=True is {'/'.join(with_grad)}-only: {cls.capabilities.label} computes no "

@@ -42,6 +42,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def connect() -> None:
+    """Join the cluster the user chose (``RAY_ADDRESS``), or start a local one with
+    :func:`start_local_ray`. Does nothing when this process is already connected."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        start_local_ray()
+
+
 def start_local_ray(**init_options) -> None:
     """Start a new single-node Ray in this process (``ray.init(address="local")``) whose every
     socket listens on 127.0.0.1 and which runs with token authentication. No dashboard;

@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from . import cancel
-from .address import Address, AddressLike, ModelInfo, all_points, check_points
+from .address import Address, AddressLike, ModelInfo, all_points
 from .cache import Cache
 from .capabilities import Capabilities
 from .edits import Planned, check_edits
 from .generation import Completion as Completion
 from .generation import Sampling as Sampling
 from .positions import Selection, check_spec, resolve
+from .request import Points, Request
 from .tokens import Tokenizer, check_tokens
 
 
@@ -27,8 +28,10 @@ class CaptureModel:
     """A loaded model that captures activations. Backends subclass it.
 
     Subclasses declare their :class:`~.capabilities.Capabilities` (narrowed per model to the sites
-    it cannot read), set ``info`` and ``tok``, and implement ``_run``, ``_generate`` and
-    ``_capture``; this class validates what users pass in, so every backend gives the same errors.
+    it cannot read), set ``info`` and ``tok``, and implement :meth:`_execute` (and, when it can
+    wait without a thread, :meth:`_execute_async`): this class checks what users pass in once,
+    into a :class:`~.request.Request`, so every backend gives the same errors and runs only
+    checked requests.
     The contract as a whole, and the optional capabilities (unembedding, o_proj weights, writing
     dataset shards), is written down in :mod:`.protocol`.
     """
@@ -143,8 +146,12 @@ class CaptureModel:
         single = (not self.batched) if single is None else single
         tokens = check_tokens(tokens, self.info.d_vocab, self.info.n_ctx, single=single,
                               why=self._one_prompt(call, tokens) if single else "")
-        addresses = check_points(points, self.info, self.capabilities)
-        return tokens, addresses
+        return tokens, list(self.check_points(points))
+
+    def check_points(self, points) -> Points:
+        """``points`` checked against this model, once: pass the result as ``points`` to any call
+        and it is not checked again (see :mod:`.request`)."""
+        return Points.check(points, self.info, self.capabilities)
 
     def position_limit(self) -> tuple[int, str]:
         """How many positions a sequence (prompt + generated) may fill, and how to name that limit."""
@@ -177,42 +184,57 @@ class CaptureModel:
         return resolve(check_spec(positions), lengths, generating=options is not None,
                        max_tokens=options.max_tokens if options else None)
 
-    def _edits(self, edits, tokens: torch.Tensor, options: Sampling | None = None) -> dict[Address, Planned] | None:
+    def _edits(self, edits, tokens: torch.Tensor,
+               options: Sampling | None = None) -> dict[Address, tuple[Planned, ...]] | None:
         """``edits=`` checked against this model and the checked batch (see edits.py)."""
         return check_edits(edits, self.info, self.capabilities, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
 
+    def request(self, tokens, points, *, positions=None, edits=None, options: Sampling | None = None,
+                detach: bool = True, single: bool | None = None, call: str = "run_with_cache") -> Request:
+        """Everything a call asks for, checked against this model once (see :mod:`.request`)."""
+        if options is None:
+            tokens, addresses = self.check(tokens, points, single=single, call=call)
+        else:
+            tokens, addresses = self._check_generation(tokens, points, options, call)
+        return Request(tokens, Points(addresses), self._selection(tokens, positions, options),
+                       self._edits(edits, tokens, options), options, detach)
+
+    def execute(self, request: Request):
+        """Run a checked request: a :class:`Cache`, or ``(completion, cache)`` when it generates."""
+        return self._stamped(self._execute(request))
+
+    def _stamped(self, result):
+        """The result with its cache told this model's layer count (negative layers in lookups
+        count from it)."""
+        cache = result[1] if isinstance(result, tuple) else result
+        cache.n_layers = self.info.n_layers
+        return result
+
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
-        tokens, addresses = self.check(tokens, points)
-        return self._stamp(self._run(tokens, addresses, detach=detach, positions=self._selection(tokens, positions),
-                                     edits=self._edits(edits, tokens)))
+        return self.execute(self.request(tokens, points, positions=positions, edits=edits, detach=detach))
 
     def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
         batches requests itself (vLLM) keeps them all in flight at once; this default runs them
-        one after another."""
+        one after another (the points checked once for all rows)."""
+        points = self.check_points(points)
         return [self.run_with_cache(row, points, positions=positions, edits=edits) for row in rows]
 
     def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
-        tokens, addresses = self._check_generation(tokens, points, options, "capture_generation")
-        completion, cache = self._generate(tokens, addresses, options,
-                                           positions=self._selection(tokens, positions, options),
-                                           edits=self._edits(edits, tokens, options))
-        return completion, self._stamp(cache)
+        return self.execute(self.request(tokens, points, positions=positions, edits=edits, options=options,
+                                         call="capture_generation"))
 
     async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
                                        edits=None, **sampling) -> tuple[Completion, Cache]:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
-        tokens, addresses = self._check_generation(tokens, points, options, "capture_generation_async")
-        completion, cache = await self._generate_async(tokens, addresses, options,
-                                                       positions=self._selection(tokens, positions, options),
-                                                       edits=self._edits(edits, tokens, options))
-        return completion, self._stamp(cache)
+        return self._stamped(await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
+                                                                    options=options, call="capture_generation_async")))
 
     async def capture(self, tokens, points, *, positions=None, edits=None,
                       **sampling) -> dict[Address, torch.Tensor]:
@@ -224,17 +246,9 @@ class CaptureModel:
         ``edits=`` applies to this request only, even while others share its batch.
         """
         options = Sampling.from_options(sampling) if sampling else None
-        if options is None:
-            tokens, addresses = self.check(tokens, points, single=True, call="await model.capture(...)")
-        else:
-            tokens, addresses = self._check_generation(tokens, points, options, "await model.capture(...)")
-        return await self._capture(tokens, addresses, options, positions=self._selection(tokens, positions, options),
-                                   edits=self._edits(edits, tokens, options))
-
-    def _stamp(self, cache: Cache) -> Cache:
-        """The cache, told this model's layer count (negative layers in lookups count from it)."""
-        cache.n_layers = self.info.n_layers
-        return cache
+        result = await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
+                                                        options=options, single=True, call="await model.capture(...)"))
+        return (result if options is None else result[1]).to_dict()
 
     def close(self) -> None:
         """Release the engine and its processes. Idempotent."""
@@ -246,24 +260,17 @@ class CaptureModel:
         self.close()
 
     # -- what a backend implements --------------------------------------------------------------
-    # ``positions`` is None (every position) or a Selection resolved against ``tokens``; the
-    # backend applies it where each activation is produced. ``edits`` is None or the checked
-    # edits (edits.Planned by address); the backend applies each where its activation is produced.
-    def _run(self, tokens: torch.Tensor, addresses: list[Address], *, detach: bool,
-             positions: Selection | None = None, edits: dict | None = None) -> Cache:
+    # A checked Request: ``positions`` is None (every position) or a Selection resolved against
+    # ``tokens``, ``edits`` None or the planned edits by address; the backend applies both where
+    # each activation is produced. ``options`` None: a capture; else a generation.
+    def _execute(self, request: Request):
+        """A :class:`Cache` for a capture, ``(completion, cache)`` for a generation."""
         raise NotImplementedError
 
-    def _generate(self, tokens: torch.Tensor, addresses: list[Address], options: Sampling, *,
-                  positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
-        raise NotImplementedError
-
-    async def _capture(self, tokens, addresses, options: Sampling | None, *,
-                       positions: Selection | None = None, edits: dict | None = None) -> dict[Address, torch.Tensor]:
-        raise NotImplementedError
-
-    async def _generate_async(self, tokens, addresses, options: Sampling, *,
-                              positions: Selection | None = None, edits: dict | None = None) -> tuple[Completion, Cache]:
-        return await cancel.in_thread(self._generate, tokens, addresses, options, positions=positions, edits=edits)
+    async def _execute_async(self, request: Request):
+        """:meth:`_execute` without blocking the event loop; by default on a thread, stopped
+        between steps when the caller gives up (:mod:`.cancel`)."""
+        return await cancel.in_thread(self._execute, request)
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,

@@ -49,11 +49,6 @@ class Selection:
         start = self.after[row]
         return position in self.rows[row] or (start is not None and position >= start)
 
-    def wire(self, row: int = 0) -> dict:
-        """Plain data for one row, as the vLLM workers take it."""
-        return {"positions": list(self.rows[row]), "after": self.after[row]}
-
-
 def as_int(value) -> int | None:
     """``value`` as a Python int when it is an integer (numpy integers such as ``np.int64(3)``
     count; bools do not), else None."""
@@ -149,13 +144,6 @@ def check_prompt(spec, length: int, where: str) -> None:
     if spec is not None and spec != "generated" and not resolve_row(spec, length, where):
         raise InputError(f"positions={shown(spec)} selects no position of {where} ({length} tokens); "
                          f"positions may be {_FORMS}")
-
-
-def spec_to_json(spec):
-    """A JSON form of a checked spec (for dataset manifests)."""
-    if isinstance(spec, slice):
-        return {"slice": [spec.start, spec.stop, spec.step]}
-    return spec
 
 
 def width_bound(spec, max_length: int) -> int:

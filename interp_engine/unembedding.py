@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .archs import arch_for
-from .dtypes import Packed
+from .wire import Packed
 
 
 @dataclasses.dataclass(frozen=True)

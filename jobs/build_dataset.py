@@ -28,7 +28,7 @@ from interp_engine.jobs.preflight import preflight
 def run(config: BuildConfig):
     """Load the model on the cluster and build the dataset the config describes."""
     from interp_engine import load_model
-    from interp_engine.dataset import build_dataset
+    from interp_engine.dataset.build import build_dataset
 
     model = load_model(config.model, **config.load_options())
     try:

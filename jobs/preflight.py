@@ -27,10 +27,10 @@ from interp_engine.errors import ConfigError
 def preflight(config: BuildConfig) -> None:
     """Raise :class:`ConfigError` (naming the field) for anything checkable before Ray starts."""
     from interp_engine.errors import AddressError, DatasetCorruptError, DatasetExistsError, InputError, ModelNotFound
-    from interp_engine.local import resolve
+    from interp_engine.local import find_model
 
     try:
-        folder = resolve(config.model)
+        folder = find_model(config.model)
     except ModelNotFound:
         folder = None  # perhaps only the cluster's nodes hold it: the replicas report it
     try:
@@ -68,7 +68,7 @@ def _model_facts(folder, config: BuildConfig):
 
 
 def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
-    from interp_engine.dataset_prompts import PromptSource
+    from interp_engine.dataset.prompts import PromptSource
 
     source = PromptSource.of(config.prompts, config.text_key)
     if tokenizer is None:
@@ -78,9 +78,9 @@ def _check_prompts(config: BuildConfig, info, tokenizer) -> None:
 
 
 def _check_output(config: BuildConfig) -> None:
-    from interp_engine.dataset_lease import inspect_free_output
-    from interp_engine.dataset_store import Store
-    from interp_engine.dataset_uri import check_access
+    from interp_engine.dataset.lease import inspect_free_output
+    from interp_engine.dataset.store import Store
+    from interp_engine.dataset.uri import check_access
 
     store = Store.of(config.output)
     check_access(store, explicit=False)

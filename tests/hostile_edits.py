@@ -11,6 +11,8 @@ a check that does not apply to a backend skips.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import numpy as np
@@ -187,9 +189,9 @@ def a_worker_level_nan_edit_is_its_own_requests_problem(h):
     """A NaN edit that skips the public check (a planned edit built by hand and sent through the
     backend's own path to the workers as data: no function anywhere) writes NaN keys and values."""
     _vllm_only(h)
-    tokens, addresses = h.model.check(_long_tokens(h), ["logits"])
+    request = h.model.request(_long_tokens(h), ["logits"])
     v0 = Address("v", 0)
-    cache = h.model._run(tokens, addresses, detach=True, edits={v0: (Planned(v0, Set(torch.tensor(NAN))),)})
+    cache = h.model.execute(dataclasses.replace(request, edits={v0: (Planned(v0, Set(torch.tensor(NAN))),)}))
     assert cache["logits"].isnan().all(), "the NaN did not reach the model: the check proves nothing"
     assert _on_worker(h, _non_finite_kv) > 0, "no NaN reached the KV cache"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from interp_engine.backends.vllm_loop import run_on_loop
+from interp_engine.backends.vllm.loop import run_on_loop
 
 
 def engine_state(model) -> list[dict]:

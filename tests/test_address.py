@@ -6,8 +6,8 @@ import pytest
 
 from interp_engine import Address, AddressError, format_address, parse_address, to_address
 from interp_engine.address import ModelInfo, check_points
-from interp_engine.backends.eager import EagerModel
-from interp_engine.backends.vllm import VllmModel
+from interp_engine.backends.eager.model import EagerModel
+from interp_engine.backends.vllm.model import VllmModel
 
 EAGER, VLLM = EagerModel.capabilities, VllmModel.capabilities
 INFO = ModelInfo("m", n_layers=4, d_model=8, n_heads=2, n_kv_heads=1, d_head=4, d_mlp=16, d_vocab=10, n_ctx=32)

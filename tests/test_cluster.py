@@ -13,7 +13,7 @@ import torch
 
 from interp_engine import AddressError, InputError, capture_generation, load_model, run_with_cache
 from interp_engine.errors import ClusterError, DatasetExistsError, PromptsError
-from interp_engine.dataset import build_dataset
+from interp_engine.dataset.build import build_dataset
 
 from . import sampling_checks
 from .clusters import simulated_cluster
@@ -201,7 +201,7 @@ def test_dataset_reads_back_with_pyarrow_pandas_and_ray_data(cluster_llama, tmp_
     import pandas as pd
     import pyarrow.parquet as pq
 
-    from interp_engine.dataset_shard import column_shape, read_tensor
+    from interp_engine.dataset.shard import column_shape, read_tensor
 
     prompts = _prompts(10)
     ds = build_dataset(cluster_llama, prompts, ["resid_post.1", "z.0"], tmp_path / "d", shard_size=3,
@@ -282,7 +282,7 @@ def test_a_crashed_replica_is_restarted_and_the_build_ends_on_both(cluster, tmp_
             batch = pad_batch([local.tok.encode(p) for p in prompts[shard * 5: shard * 5 + 5]])
             want = run_with_cache(local, batch, ["resid_post.10"])["resid_post.10"]
             rows = [r for r, p in enumerate(table.column("prompt_index").to_pylist()) if shard * 5 <= p < shard * 5 + 5]
-            from interp_engine.dataset_shard import read_tensor
+            from interp_engine.dataset.shard import read_tensor
 
             got = read_tensor(table.take(rows), "resid_post.10")[:, : batch.shape[1]]
             assert torch.equal(got, want), f"shard {shard} (replica {writers[shard]['replica']})"

@@ -11,9 +11,8 @@ from interp_engine.actors.coordinator import CoordinatorCore
 from interp_engine.actors.replica import ReplicaCore, ReplicaSpec
 from interp_engine.actors.scheduler import LocalExecutor, NoReplicasLeft, ReplicaDied, Scheduler, Shard
 from interp_engine.errors import ClusterError, ShardFailed
-from interp_engine.actors.wire import unpack_dict
-from interp_engine.cluster import check_capacity
-from interp_engine.dtypes import Packed
+from interp_engine.cluster.model import check_capacity
+from interp_engine.wire import Packed, unpack_dict
 
 POINTS = ["resid_post.1", "z.0", "mlp_post.2", "logits"]
 
@@ -193,7 +192,7 @@ def test_coordinator_generate_survives_a_dead_replica(cores, eager_models):
 
 
 def test_build_with_a_replica_killed_midway_equals_a_clean_build(cores, eager_models, tmp_path):
-    from interp_engine.dataset import build_dataset
+    from interp_engine.dataset.build import build_dataset
 
     local = eager_models("llama")
     prompts = [f"prompt {i}: " + "word " * (i % 7) for i in range(23)]

@@ -87,7 +87,7 @@ def test_vllm_cluster_dataset_equals_local_vllm_dataset(models, tmp_path):
     a = build_dataset(local, prompts, ["resid_post.1"], tmp_path / "local", shard_size=3, progress=False)
     b = build_dataset(cluster, prompts, ["resid_post.1"], tmp_path / "cluster", shard_size=3, progress=False)
     assert a.rows == b.rows == 7 and a.manifest["identity"] == b.manifest["identity"]
-    from interp_engine.dataset_shard import read_tensor
+    from interp_engine.dataset.shard import read_tensor
 
     ta, tb = a.to_arrow(), b.to_arrow()
     assert ta.column("prompt_index").equals(tb.column("prompt_index")) and ta.schema.equals(tb.schema)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from interp_engine import InputError, build_dataset, load_model, run_with_cache
-from interp_engine.dataset_manifest import MANIFEST
+from interp_engine.dataset.manifest import MANIFEST
 from interp_engine.errors import DatasetExistsError, PromptsError
-from interp_engine.dataset_shard import read_tensor
+from interp_engine.dataset.shard import read_tensor
 
 PROMPTS = [f"Example {i}: " + "spam " * (i % 6) + "eggs" for i in range(11)]
 
@@ -98,7 +98,7 @@ def test_manifest_records_provenance(llama, tmp_path):
 def test_tokenizer_fingerprint_is_kept_until_the_tokenizer_changes(llama):
     import copy
 
-    from interp_engine.dataset_manifest import tokenizer_fingerprint
+    from interp_engine.dataset.manifest import tokenizer_fingerprint
 
     first = tokenizer_fingerprint(llama.tok.hf)
     twin = copy.deepcopy(llama.tok.hf)  # a different object: computed afresh, same content

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from interp_engine import build_dataset, load_model
-from interp_engine.dataset_columns import column_shape, to_numpy
-from interp_engine.dataset_shard import read_tensor
+from interp_engine.dataset.columns import column_shape, to_numpy
+from interp_engine.dataset.shard import read_tensor
 
 PROMPTS = [f"Row {i}: " + "red green blue " * (1 + i % 3) for i in range(7)]
 

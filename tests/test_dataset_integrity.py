@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from interp_engine import ActivationDataset, DatasetCorruptError, DatasetRepairWarning, build_dataset
-from interp_engine.dataset_manifest import MANIFEST
+from interp_engine.dataset.manifest import MANIFEST
 
 PROMPTS = [f"Prompt {i}: " + "lorem ipsum " * (1 + i % 5) for i in range(40)]
 POINTS = ["resid_post.2", "z.1"]

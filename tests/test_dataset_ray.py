@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from interp_engine import ActivationDataset, ClusterError, build_dataset, load_model
-from interp_engine.dataset_shard import read_tensor
+from interp_engine.dataset.shard import read_tensor
 
 ray = pytest.importorskip("ray")
 PROMPTS = [f"Note {i}: " + "alpha beta " * (1 + i % 4) for i in range(12)]

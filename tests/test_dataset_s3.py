@@ -90,7 +90,7 @@ def test_s3_resume_repairs_and_refuses_like_a_folder(s3, llama, local):
 @pytest.fixture
 def no_capture(monkeypatch):
     """Any capture fails the test: the errors below must come before one starts."""
-    import interp_engine.dataset_shard as shard
+    import interp_engine.dataset.shard as shard
 
     def refuse(*args, **kwargs):
         raise AssertionError("a capture started")
@@ -155,7 +155,7 @@ def test_a_read_only_folder_fails_before_any_capture(llama, no_capture, tmp_path
 
 
 def test_uri_forms_name_the_same_place(tmp_path):
-    from interp_engine.dataset_store import Store
+    from interp_engine.dataset.store import Store
 
     plain = Store.of(tmp_path / "d")
     assert Store.of(f"file://{tmp_path}/d").root == plain.root == str(tmp_path / "d")

@@ -14,8 +14,8 @@ import torch
 from interp_engine import InputError, build_dataset, run_with_cache
 from interp_engine.batching import plan_batches
 from .oracles import assert_near
-from interp_engine.dataset_integrity import identity_json
-from interp_engine.dataset_shard import Captured, ShardSpec, read_tensor, shard_bytes, shard_table
+from interp_engine.dataset.integrity import identity_json
+from interp_engine.dataset.shard import Captured, ShardSpec, read_tensor, shard_bytes, shard_table
 from interp_engine.tokens import pad_batch
 
 PROMPTS = [f"Prompt {i}: " + "lorem ipsum " * (i % 7) for i in range(23)]
@@ -95,8 +95,8 @@ def test_token_layout_with_positions_in_small_batches(llama, tmp_path):
 def test_the_next_shard_is_captured_while_one_is_written(llama, tmp_path, monkeypatch):
     """Shard 0's write waits until shard 1 has been captured: a build that wrote in series with
     the capture would never get there (the wait gives up after 60 s and the test fails)."""
-    import interp_engine.dataset_writer as writer
-    from interp_engine.dataset_store import Store
+    import interp_engine.dataset.writer as writer
+    from interp_engine.dataset.store import Store
 
     captured_1 = threading.Event()
     real_capture = writer.capture_shard
@@ -122,7 +122,7 @@ def test_the_next_shard_is_captured_while_one_is_written(llama, tmp_path, monkey
 
 
 def test_bounded_in_flight_and_errors(llama, tmp_path, monkeypatch):
-    import interp_engine.dataset_writer as writer
+    import interp_engine.dataset.writer as writer
 
     running, most = [0], [0]
     lock = threading.Lock()
@@ -165,7 +165,7 @@ def vllm_llama(tiny_path):
 
 
 def _state(model) -> dict:
-    from interp_engine.backends.vllm_loop import run_on_loop
+    from interp_engine.backends.vllm.loop import run_on_loop
 
     return run_on_loop(model._loop, "interp_state")[0]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from interp_engine import InputError, build_dataset, export_saelens, load_model
-from interp_engine.dataset_shard import read_tensor
+from interp_engine.dataset.shard import read_tensor
 
 PROMPTS = [f"Line {i}: " + "one two three four " * (1 + i % 5) for i in range(20)]
 

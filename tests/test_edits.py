@@ -11,7 +11,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from interp_engine import Add, AddressError, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
-from interp_engine.backends import attention
+from interp_engine.backends.eager import attention
 
 from .oracles import assert_near
 from .devices import load_kwargs, on

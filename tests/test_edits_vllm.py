@@ -180,8 +180,8 @@ def test_edits_reach_the_worker_as_tensors(models, monkeypatch):
     """An edit's vector travels to the vLLM worker as a tensor (vLLM's collective_rpc carries it
     as a buffer), never as a Python list; the worker refuses a list as an internal error."""
     from interp_engine import Add, Set, run_with_cache
-    from interp_engine.backends import vllm_edits
-    from interp_engine.edits_wire import from_wire
+    from interp_engine.backends.vllm.worker import edits as vllm_edits
+    from interp_engine.wire import edit_from_worker
 
     vllm_model, _ = models
     seen = []
@@ -201,5 +201,5 @@ def test_edits_reach_the_worker_as_tensors(models, monkeypatch):
         payload = data.get("vector", data.get("value"))
         assert isinstance(payload, torch.Tensor), f"an edit reached the worker as {type(payload).__name__}"
     with pytest.raises(RuntimeError, match=r"\[Internal\].*as list, not a tensor"):
-        from_wire({**seen[0], "vector": seen[0]["vector"].tolist()} if "vector" in seen[0]
+        edit_from_worker({**seen[0], "vector": seen[0]["vector"].tolist()} if "vector" in seen[0]
                   else {**seen[0], "value": seen[0]["value"].tolist()})

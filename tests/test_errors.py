@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from interp_engine import AddressError, InputError, ModelNotFound, load_model, run_with_cache
-from interp_engine.backends import attention
+from interp_engine.backends.eager import attention
 
 GOOD = ["resid_post.1", "pattern.0"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interp_engine import build_dataset, load_model
-from interp_engine.dataset_shard import read_tensor
+from interp_engine.dataset.shard import read_tensor
 from interp_engine.fingerprint import weights_fingerprint
 
 

@@ -19,10 +19,10 @@ import pytest
 
 from interp_engine import (ActivationDataset, DatasetBusyError, DatasetCorruptError, DatasetExistsError,
                            DatasetForeignFilesWarning, DatasetLeaseWarning, DatasetRepairWarning, build_dataset)
-from interp_engine import dataset_lease
-from interp_engine.dataset_lease import Lease
-from interp_engine.dataset_manifest import MANIFEST
-from interp_engine.dataset_store import Store
+from interp_engine.dataset import lease as dataset_lease
+from interp_engine.dataset.lease import Lease
+from interp_engine.dataset.manifest import MANIFEST
+from interp_engine.dataset.store import Store
 
 from . import s3server
 
@@ -191,8 +191,8 @@ def test_the_lease_is_exclusive_across_threads(tmp_path):
 
 _CLAIMER = """
 import json, sys, time
-from interp_engine.dataset_lease import Lease, DatasetBusyError
-from interp_engine.dataset_store import Store
+from interp_engine.dataset.lease import Lease, DatasetBusyError
+from interp_engine.dataset.store import Store
 store, start, stop, held = Store.of(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), []
 time.sleep(max(0.0, start - time.time()))
 while time.time() < stop:
@@ -218,8 +218,8 @@ def test_the_lease_is_exclusive_across_processes(tmp_path):
 
 _HOLDER = """
 import sys, time
-from interp_engine.dataset_lease import Lease
-from interp_engine.dataset_store import Store
+from interp_engine.dataset.lease import Lease
+from interp_engine.dataset.store import Store
 lease = Lease.acquire(Store.of(sys.argv[1]))
 print(lease.build_id, flush=True)
 time.sleep(600)

@@ -114,8 +114,8 @@ def test_prompts_and_points_are_checked_before_ray(base, tmp_path, capsys, nothi
 
 
 def test_an_output_that_cannot_be_used_is_refused_before_ray(base, tmp_path, capsys, nothing_starts):
-    from interp_engine.dataset_lease import Lease
-    from interp_engine.dataset_store import Store
+    from interp_engine.dataset.lease import Lease
+    from interp_engine.dataset.store import Store
 
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -8,9 +8,18 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: import name of each source folder (actors/ and jobs/ install under interp_engine)
-PACKAGES = {"interp_engine": ROOT / "interp_engine", "interp_engine.actors": ROOT / "actors",
-            "interp_engine.jobs": ROOT / "jobs"}
+
+
+def source_folders() -> dict[str, Path]:
+    """Import name -> folder, as setuptools installs them: ``interp_engine/`` plus every
+    ``package-dir`` entry of pyproject.toml (``actors/`` and ``jobs/`` install under interp_engine)."""
+    import tomllib
+
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {"interp_engine": ROOT / "interp_engine", **{name: ROOT / folder for name, folder in mapping.items()}}
+
+
+PACKAGES = source_folders()
 
 
 def modules() -> dict[str, Path]:
@@ -62,27 +71,56 @@ def test_the_walker_sees_a_cycle():
 
 def test_no_import_cycles():
     known = modules()
-    assert "interp_engine.actors.replica" in known and "interp_engine.backends.eager" in known
+    assert "interp_engine.actors.replica" in known and "interp_engine.backends.eager.model" in known
     graph = {name: imports(name, path, known) for name, path in known.items()}
     assert graph["interp_engine.loading"] >= {"interp_engine.local"}  # the walker reads relative imports
     found = [" -> ".join(c) for c in cycles(graph)]
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
-#: the core modules that may import the Ray actors: the cluster model (driver side) alone
-TALKS_TO_ACTORS = {"interp_engine.cluster"}
+#: the floors of the library, lowest first: a module may import its own floor and the ones below,
+#: never one above. Each floor is a list of module-name prefixes; a module sits on the floor of
+#: its longest matching prefix, and the rest of interp_engine (addresses, edits, caches, family
+#: records: code that runs in any process) is the core.
+FLOORS = [
+    ("core", ["interp_engine."]),
+    ("backends", ["interp_engine.backends"]),  # eager in the caller; vllm's worker/ inside vLLM's workers
+    ("dataset", ["interp_engine.dataset"]),
+    ("actors", ["interp_engine.actors"]),  # Ray worker processes (package-dir: actors/)
+    ("cluster", ["interp_engine.cluster"]),  # the driver side of a cluster: creates the actors
+    ("entry", ["interp_engine", "interp_engine.loading", "interp_engine.jobs", "interp_engine.examples"]),
+]
 
 
-def test_the_core_does_not_reach_up_into_the_actors():
-    """The engine (backends, datasets, padding, dtypes) works without Ray: only the cluster model
-    imports ``interp_engine.actors``; the actors build on the core, never the other way."""
+def floor(module: str) -> int:
+    best, level = -1, 0
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            hit = module == prefix or module.startswith(prefix if prefix.endswith(".") else prefix + ".")
+            if hit and len(prefix) > best:
+                best, level = len(prefix), i
+    return level
+
+
+def test_the_floors_are_what_they_say():
+    assert [floor(m) for m in ("interp_engine.address", "interp_engine.backends.vllm.worker.hooks",
+                               "interp_engine.dataset.shard", "interp_engine.actors.replica",
+                               "interp_engine.cluster.model", "interp_engine.loading", "interp_engine")] == [0, 1, 2, 3, 4, 5, 5]
+
+
+def test_no_module_imports_from_a_higher_floor():
+    """The engine works without Ray and a backend without datasets: the core imports no backend,
+    a backend no dataset code, the dataset code neither actors nor the cluster, the actors not the
+    driver-side cluster package. Only the entry points (``interp_engine/__init__``, ``load_model``,
+    jobs, examples) see everything. Imports inside functions count: a lazy import is still a
+    dependency, and the mapping of ``actors/`` and ``jobs/`` comes from pyproject.toml."""
     known = modules()
-    core = {name: path for name, path in known.items()
-            if not name.startswith(("interp_engine.actors", "interp_engine.jobs", "interp_engine.examples"))}
-    upward = {name: sorted(t for t in imports(name, path, known) if t.startswith("interp_engine.actors"))
-              for name, path in core.items() if name not in TALKS_TO_ACTORS}
-    upward = {name: targets for name, targets in upward.items() if targets}
-    assert not upward, f"core modules importing the actors: {upward}"
+    upward = {}
+    for name, path in known.items():
+        above = sorted(t for t in imports(name, path, known) if floor(t) > floor(name))
+        if above:
+            upward[f"{name} ({FLOORS[floor(name)][0]})"] = [f"{t} ({FLOORS[floor(t)][0]})" for t in above]
+    assert not upward, "imports from a higher floor:\n" + "\n".join(f"{k} -> {v}" for k, v in upward.items())
 
 
 def test_readme_layout_names_every_library_module():

@@ -149,7 +149,7 @@ def test_job_submit_with_token_builds_the_dataset(script_cluster, tiny_path, tmp
 
 
 def test_driver_killed_mid_build_resumes_to_the_same_dataset(script_cluster, tiny_path, eager_models, tmp_path):
-    from interp_engine.dataset import build_dataset
+    from interp_engine.dataset.build import build_dataset
 
     state, variables = script_cluster
     output = tmp_path / "resumed"

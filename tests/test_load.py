@@ -88,7 +88,7 @@ def assert_idle(model) -> None:
 
 
 def test_the_engine_runs_on_the_kv_cache_sized_from_the_model(model):
-    from interp_engine.backends.vllm_engine import DEFAULT_FLOOR, cpu_kv_cache_bytes, kv_bytes_per_token
+    from interp_engine.backends.vllm.engine import DEFAULT_FLOOR, cpu_kv_cache_bytes, kv_bytes_per_token
 
     chosen = model.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
     # the tiny model's 8 full-length sequences are far below the floor, so the floor is the size

@@ -2,7 +2,7 @@
 
 One engine per family (module-scoped, parametrised). ``router_logits`` is the gate's output;
 ``expert_weights`` / ``expert_indices`` are the pair the router's ``select_experts`` handed to
-the expert kernel (see interp_engine/backends/vllm_moe.py). The order of the top-k slots is each
+the expert kernel (see interp_engine/backends/vllm/worker/experts.py). The order of the top-k slots is each
 engine's own, so selections are compared as sets, through ``expert_assignment``.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from interp_engine import AddressError, capture_generation, expert_assignment, load_model, run_with_cache
 from interp_engine.address import check_points
-from interp_engine.backends.vllm_moe import unreadable_sites
+from interp_engine.backends.vllm.worker.experts import unreadable_sites
 
 from . import tiny_moe
 from .oracles import assert_near

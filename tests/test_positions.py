@@ -166,7 +166,7 @@ def test_cache_select_to_and_save(model, tmp_path):
 def test_dataset_of_last_tokens(model, tmp_path):
     import pyarrow.parquet as pq
 
-    from interp_engine.dataset_shard import read_tensor
+    from interp_engine.dataset.shard import read_tensor
 
     prompts = [f"prompt {i} " + "ab" * i for i in range(7)]
     token = build_dataset(model, prompts, ["resid_post.1"], tmp_path / "t", layout="token", positions=-1,

@@ -1,4 +1,4 @@
-"""The vLLM adapter (interp_engine/backends/vllm_compat.py): the one module that names vLLM's
+"""The vLLM adapter (interp_engine/backends/vllm/compat.py): the one module that names vLLM's
 private structure. It refuses a vLLM release it was not written for, no other module of the
 project reaches into vLLM's private attributes, and its reads agree with the Hugging Face model
 on the same weights."""
@@ -17,7 +17,7 @@ import torch
 from . import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTER = ROOT / "interp_engine" / "backends" / "vllm_compat.py"
+ADAPTER = ROOT / "interp_engine" / "backends" / "vllm" / "compat.py"
 
 #: vLLM's private structure that the project relies on, as attribute names: only the adapter may
 #: name them (a new vLLM release then means reviewing one file)
@@ -78,7 +78,7 @@ def test_no_other_module_names_vllm_private_attributes():
                     if owner == "vllm_compat" or (owner == "self" and name.startswith("_")):
                         continue  # the adapter's own functions; this project's own private state
                     found.append(f"{path.relative_to(ROOT)}:{number}: {owner}.{name}")
-    assert not found, "vLLM internals outside backends/vllm_compat.py:\n" + "\n".join(found)
+    assert not found, "vLLM internals outside backends/vllm/compat.py:\n" + "\n".join(found)
 
 
 def test_no_module_reads_the_worker_recorders_private_state():
@@ -89,7 +89,7 @@ def test_no_module_reads_the_worker_recorders_private_state():
 
 def test_moe_selection_and_monolithic_detection():
     pytest.importorskip("vllm")
-    from interp_engine.backends import vllm_compat
+    from interp_engine.backends.vllm import compat as vllm_compat
 
     router = types.SimpleNamespace(select_experts=lambda *a: None)
     modular = types.SimpleNamespace(router=router, routed_experts=types.SimpleNamespace(
@@ -113,7 +113,7 @@ def pair(tmp_path_factory):
 
 
 def test_reads_on_an_engine_agree_with_the_hf_model(pair):
-    from interp_engine.backends.vllm_loop import run_on_loop
+    from interp_engine.backends.vllm.loop import run_on_loop
 
     vllm, eager = pair
     (geometry,) = run_on_loop(vllm._loop, "interp_geometry", vllm.arch.vllm_attention)
@@ -128,7 +128,7 @@ def test_reads_on_an_engine_agree_with_the_hf_model(pair):
 def test_kv_cache_reads_the_guard_relies_on(pair):
     """One KV cache view per attention layer, the scheduler's block on dim 0; the blocks of a
     request that is not scheduled are none; the engine's guard is installed from the start."""
-    from interp_engine.backends import vllm_compat
+    from interp_engine.backends.vllm import compat as vllm_compat
 
     from .probes import engine_state
 

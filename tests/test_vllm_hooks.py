@@ -3,7 +3,7 @@ the requests that want a site, as a tensor of their own."""
 
 import torch
 
-from interp_engine.backends.vllm_hooks import _select
+from interp_engine.backends.vllm.worker.hooks import _select
 
 
 def test_select_sums_parts_into_a_fresh_tensor():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from interp_engine import EngineMemoryError, ModelInfo, load_model
-from interp_engine.backends.vllm_engine import (
+from interp_engine.backends.vllm.engine import (
     DEFAULT_CAP,
     DEFAULT_FLOOR,
     GiB,

@@ -4,7 +4,7 @@ keeping their later value and every returned tensor independent of the others.""
 
 import torch
 
-from interp_engine.backends.vllm_rows import RowStore
+from interp_engine.backends.vllm.worker.rows import RowStore
 
 A, B = "resid_post.0", "resid_post.1"
 
@@ -81,7 +81,7 @@ def test_dropped_request_frees_nothing_of_the_others():
 
 def test_stacks_stay_small(monkeypatch):
     """Chunks are stacked a few at a time (never one huge allocation), and the rows come back the same."""
-    from interp_engine.backends import vllm_rows
+    from interp_engine.backends.vllm.worker import rows as vllm_rows
 
     monkeypatch.setattr(vllm_rows, "STACK_BYTES", 3 * 2 * 4)  # three [2, 1] float32 chunks a stack
     store = RowStore()

@@ -19,7 +19,7 @@ class Hook:
     ``module`` is a dotted path relative to the layer; ``""`` is the layer itself.
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
-    :mod:`interp_engine.backends.vllm_moe`).
+    :mod:`interp_engine.backends.vllm.worker.experts`).
     ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
     ``parts`` (vLLM) names the tensors whose *sum* is the site: forward arguments by parameter
     name for ``"in"``, output elements by index for ``"out"`` / ``"select"``; a part that is

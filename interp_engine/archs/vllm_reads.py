@@ -17,7 +17,7 @@ that vLLM never materialises; a :class:`~.base.Hook` names the ``parts`` to add.
   heads may be replicated across ranks when there are fewer kv heads than ranks).
 
 Module paths and parameter names follow vLLM's Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / MoE
-model classes of the release :mod:`interp_engine.backends.vllm_compat` supports.
+model classes of the release :mod:`interp_engine.backends.vllm.compat` supports.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def moe(block: str) -> dict[str, Hook]:
     """MoE families with Llama's layout and their MoE block at ``block``: the gate (replicated
     on every rank) returns ``(router_logits, bias)`` over the flat tokens; the experts' runner
     selects ``(topk_weights, topk_ids)``, the pair the expert kernel is given (a ``"select"``
-    read, see :mod:`interp_engine.backends.vllm_moe` and docs/MOE.md)."""
+    read, see :mod:`interp_engine.backends.vllm.worker.experts` and docs/MOE.md)."""
     return {
         **LLAMA,
         "router_logits": Hook(f"{block}.gate", "out", parts=(0,)),

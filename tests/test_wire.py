@@ -1,0 +1,69 @@
+"""The wire forms (interp_engine/wire.py) give back exactly what was sent: tensors bit for bit
+(bfloat16 through numpy), worker requests, edits with their positions spec, and nothing that is
+not data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from interp_engine import Add, Scale, Set, Zero
+from interp_engine.address import parse_address
+from interp_engine.edits import Planned
+from interp_engine.errors import InternalError, InputError
+from interp_engine.wire import (Packed, WorkerRequest, edit_for_worker, edit_from_worker, edits_for_replica,
+                                edits_from_replica, spec_from_json, spec_to_json)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_tensors_come_back_bit_for_bit(dtype):
+    t = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    back = Packed.of(t).tensor()
+    assert back.dtype == dtype and torch.equal(back.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                               t.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("spec", [None, 3, [0, 2, -1], slice(1, None, 2), "prompt"])
+def test_a_positions_spec_survives_json(spec):
+    assert spec_from_json(json.loads(json.dumps(spec_to_json(spec)))) == spec
+
+
+def test_a_worker_request_is_plain_data_and_comes_back_typed():
+    vector = torch.arange(4, dtype=torch.float32)
+    edit = edit_for_worker(Planned(parse_address("resid_post.1"), Add(vector, 2.0)))
+    request = WorkerRequest(("resid_post.1", "z.0"), (0, 3), 5, {"resid_post.1": edit})
+    rpc = request.to_rpc()
+    assert json.loads(json.dumps({k: v for k, v in rpc.items() if k != "edits"})) == {
+        "points": ["resid_post.1", "z.0"], "positions": [0, 3], "after": 5}
+    assert isinstance(rpc["edits"]["resid_post.1"]["vector"], torch.Tensor)  # a tensor, never a list
+    back = WorkerRequest.from_rpc(rpc)
+    assert (back.points, back.positions, back.after) == (request.points, request.positions, request.after)
+    assert torch.equal(edit_from_worker(back.edits["resid_post.1"]).vector, vector)
+    assert WorkerRequest().empty and not back.empty
+    with pytest.raises(InternalError, match="WorkerRequest"):
+        WorkerRequest.from_rpc({"points": [], "code": "import os"})
+
+
+def test_an_edit_from_a_list_is_refused_at_the_worker():
+    data = edit_for_worker(Planned(parse_address("resid_post.1"), Set(torch.ones(4))))
+    with pytest.raises(InternalError, match="not a tensor"):
+        edit_from_worker({**data, "value": data["value"].tolist()})
+
+
+def test_edits_to_a_replica_come_back_equal():
+    vector = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    edits = {a: Planned(a, e) for a, e in [(parse_address("resid_post.2"), Add(vector, 0.5, positions=slice(1, None))),
+                                           (parse_address("mlp_out.0"), Scale(3.0, positions=[0, -1])),
+                                           (parse_address("z.1"), Zero(heads=(1,)))]}
+    back = edits_from_replica(edits_for_replica(edits))
+    assert set(back) == {"resid_post.2", "mlp_out.0", "z.1"}
+    assert torch.equal(back["resid_post.2"].vector, vector) and back["resid_post.2"].positions == slice(1, None)
+    assert back["mlp_out.0"].factor == 3.0 and back["mlp_out.0"].positions == [0, -1]
+    assert back["z.1"].heads == (1,)
+
+
+def test_a_function_edit_never_reaches_a_replica():
+    with pytest.raises(InputError, match="Python function cannot be sent"):
+        edits_for_replica({parse_address("resid_post.0"): Planned(parse_address("resid_post.0"), lambda x: x)})

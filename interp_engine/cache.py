@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .address import Address, AddressLike, format_address, parse_address, to_address
-from .errors import AddressError, CacheFileError
+from .devices import check_device
+from .errors import AddressError, CacheFileError, shown
 
 _TOKENS = "__tokens__"
 _MASK = "__mask__"
@@ -135,7 +136,20 @@ class Cache(Mapping):
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Cache":
         """A cache with every activation moved to ``device`` (and floating ones cast to ``dtype``);
-        tokens, mask and positions stay on the CPU."""
+        tokens, mask and positions stay on the CPU. As ``Tensor.to``, a dtype may come first:
+        ``cache.to(torch.float16)``."""
+        if isinstance(device, torch.dtype):
+            device, dtype = None, device if dtype is None else dtype
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"cache.to: dtype must be a torch.dtype such as torch.float16, got {shown(dtype)}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise TypeError(f"cache.to: {shown(device)} is neither a device ('cpu', 'cuda', 'cuda:1') nor a "
+                                f"torch.dtype") from None
+            check_device(device)
+
         def move(t):
             return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
 

@@ -13,7 +13,7 @@ import torch
 from interp_engine import (Add, Address, AddressError, AnalysisError, Cache, Zero, accumulated_resid, decompose_resid,
                            format_address, head_contributions, lens_top, logit_lens, parse_address, run_with_cache,
                            stack)
-from interp_engine.dataset_export import tl_hook_name
+from interp_engine.dataset.export import tl_hook_name
 
 #: TransformerLens's own spelling -> our address
 SPELLED = {

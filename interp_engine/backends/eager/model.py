@@ -60,6 +60,11 @@ class EagerModel(CaptureModel):
             hf = hf.to(device)
         return cls(hf, AutoTokenizer.from_pretrained(path), name, requires_grad=requires_grad)
 
+    @classmethod
+    def from_module(cls, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False) -> "EagerModel":
+        """Wrap a transformers model already in memory, as it is (``model.hf`` is ``hf_model``)."""
+        return cls(hf_model, hf_tokenizer, name, requires_grad=requires_grad)
+
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
         self.dtype = dtype_name(hf_model.dtype)

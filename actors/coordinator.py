@@ -28,7 +28,7 @@ from interp_engine.tokens import unpad
 
 from .replica import ray_task_cancelled
 from .scheduler import ReplicaDied, Scheduler, Shard
-from interp_engine.wire import CaptureReply, GenerationReply, pack_dict
+from interp_engine.wire import CaptureReply, GenerationReply, edits_for_rows, pack_dict
 
 
 class CoordinatorCore:
@@ -80,12 +80,15 @@ class CoordinatorCore:
 
     def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
-        specs as given), which every replica resolves per row."""
+        specs as given), which every replica resolves per row; an edit's value per row is cut to
+        the shard's rows (a one-prompt replica runs its row at its own width)."""
         if not self.batched:
             rows = unpad(tokens)
-            return [Shard(i, (row, points, positions, edits)) for i, row in enumerate(rows)]
+            return [Shard(i, (row, points, positions, edits_for_rows(edits, i, i + 1, row.shape[1])))
+                    for i, row in enumerate(rows)]
         bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
-        return [Shard(i, (tokens[a:b], points, positions, edits)) for i, (a, b) in enumerate(bounds)]
+        return [Shard(i, (tokens[a:b], points, positions, edits_for_rows(edits, a, b)))
+                for i, (a, b) in enumerate(bounds)]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None) -> GenerationReply:

@@ -38,6 +38,7 @@ import torch
 
 from .address import SITES, Address, ModelInfo, check_points, to_address
 from .capabilities import Capabilities
+from .edit_rows import dense, per_row_axes
 from .errors import AddressError, InputError, shown
 from .positions import Selection, as_int, check_spec, resolve
 
@@ -64,8 +65,8 @@ class Scale:
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Set:
-    """``value`` in place of ``x`` (broadcast to the edited rows; on eager also a whole
-    ``[batch, pos, ...]`` tensor)."""
+    """``value`` in place of ``x`` (broadcast to the edited rows; or one value per row of the
+    batch, ``[batch, *block]`` / ``[batch, n, *block]``: see :mod:`.edit_rows`)."""
 
     value: object
     positions: object = None
@@ -112,8 +113,9 @@ class Planned:
     address: Address
     edit: object  # an Edit, or a callable on eager
     selection: Selection | None = None
-    #: a Set whose value is a whole ``[batch, pos, ...]`` tensor (eager)
-    full: bool = False
+    #: leading per-row axes of the edit's vector / value (:mod:`.edit_rows`): 0 none,
+    #: 1 ``[batch, *block]``, 2 ``[batch, n, *block]``
+    per_row: int = 0
 
 
 def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, ...]:
@@ -206,28 +208,28 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
     if heads is not None:
         block = (len(heads), *block[1:])
     changes = {"heads": heads, "positions": positions}
-    full = False
+    per_row = 0
+
+    def fitted(name, value):
+        nonlocal per_row
+        tensor = _tensor(address, name, value)
+        per_row = per_row_axes(address, name, tensor, block, tokens, selection, generating)
+        return tensor if per_row else _fit(address, name, tensor, block)
+
     if isinstance(edit, Add):
-        changes["vector"] = _fit(address, "Add's vector", edit.vector, block)
+        changes["vector"] = fitted("Add's vector", edit.vector)
         changes["scale"] = _number(address, "Add's scale", edit.scale)
         if not isinstance(edit.norm_relative, bool):
             raise InputError(f"edit on {address}: norm_relative must be True or False, got {shown(edit.norm_relative)}")
+        if edit.norm_relative and per_row:
+            raise InputError(f"edit on {address}: norm_relative=True takes one direction for every row; give a "
+                             f"vector of one position's block, or norm_relative=False for a vector per row")
         _check_add(address, changes["vector"], changes["scale"], edit.norm_relative)
     elif isinstance(edit, Scale):
         changes["factor"] = _number(address, "Scale's factor", edit.factor)
     elif isinstance(edit, Set):
-        value = _tensor(address, "Set's value", edit.value)
-        whole = (tokens.shape[0], tokens.shape[1], *block)
-        whole_ok = caps.whole_value_edits and not generating
-        if whole_ok and tuple(value.shape) == whole and address.query_axis == 1:
-            if positions is not None or heads is not None:
-                raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value takes no "
-                                 f"positions= or heads= (it sets every position it gives)")
-            changes["value"], full = value, True
-        else:
-            changes["value"] = _fit(address, "Set's value", value, block,
-                                    whole=whole if whole_ok else None)
-    return Planned(address, dataclasses.replace(edit, **changes), selection, full)
+        changes["value"] = fitted("Set's value", edit.value)
+    return Planned(address, dataclasses.replace(edit, **changes), selection, per_row)
 
 
 def _check_heads(address, heads, info) -> tuple[int, ...] | None:
@@ -325,16 +327,16 @@ def _check_add(address, vector: torch.Tensor, scale: float, norm_relative: bool)
                          f"write finite numbers")
 
 
-def _fit(address, name, value, block, whole=None) -> torch.Tensor:
+def _fit(address, name, value, block) -> torch.Tensor:
     """``value`` as a tensor that broadcasts to one position's ``block``."""
     tensor = _tensor(address, name, value)
     shape = tuple(tensor.shape)
     ok = len(shape) <= len(block) and all(s in (1, b) for s, b in zip(shape[::-1], block[::-1]))
     if not ok:
         wanted = f"[{', '.join(map(str, block))}]"
-        extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name.endswith("value") else ""
         raise InputError(f"edit on {address}: {name} of shape {list(shape)} does not fit: each edited position "
-                         f"of {address.name} is {wanted} (the {name.split()[-1]} broadcasts to it{extra})")
+                         f"of {address.name} is {wanted} (the {name.split()[-1]} broadcasts to it, or gives one per "
+                         f"row: [batch, *block], [batch, n, *block])")
     return tensor
 
 
@@ -399,8 +401,8 @@ def edit_activation(planned: Planned, tensor: torch.Tensor, start: int = 0) -> t
             raise InputError(f"the function edit on {planned.address} must return a tensor of shape "
                              f"{list(tensor.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
         return out
-    if planned.full:
-        return edit.value[:, start : start + tensor.shape[1]].to(tensor.device, tensor.dtype)
+    if planned.per_row:
+        edit = dense(planned, start, tensor.shape[1])
     new = apply_edit(edit, tensor)
     mask = edited_positions(planned.selection, start, tensor.shape[1], tensor.shape[0])
     if mask is None:

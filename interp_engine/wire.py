@@ -30,6 +30,7 @@ import torch
 
 from .address import Address, format_address, parse_address
 from .dtypes import as_bfloat16, bf16_bits, dtype_name
+from .edit_rows import one_row
 from .edits import EDITS, Add, Edit, Planned, Scale, Set, Zero
 from .errors import InputError, InternalError, RemoteError
 
@@ -88,9 +89,11 @@ def edit_for_worker(planned: Planned, row: int = 0) -> dict:
     """One planned edit as plain data for a vLLM worker: its kind, heads, numbers, float32 CPU
     tensors, the positions of ``row`` it applies to, and a digest (equal edits have equal digests;
     a worker applies them to all their rows at once)."""
-    edit = planned.edit
+    edit, positions, per_position = one_row(planned, row)
     out: dict = {"kind": type(edit).__name__.lower(), "heads": list(edit.heads) if edit.heads else None}
-    digest = hashlib.blake2b(repr((out["kind"], out["heads"])).encode(), digest_size=16)
+    if per_position:  # a value per edited position, in the order of ``positions``
+        out["per_position"] = True
+    digest = hashlib.blake2b(repr((out["kind"], out["heads"], per_position)).encode(), digest_size=16)
     if isinstance(edit, Add):
         out.update(vector=edit.vector.detach().to("cpu", torch.float32), shape=list(edit.vector.shape),
                    scale=edit.scale, norm_relative=edit.norm_relative)
@@ -105,7 +108,7 @@ def edit_for_worker(planned: Planned, row: int = 0) -> dict:
         digest.update(edit.value.contiguous().numpy().tobytes())
     out["digest"] = digest.hexdigest()
     sel = planned.selection
-    out["positions"] = None if sel is None else list(sel.rows[row])
+    out["positions"] = positions
     out["after"] = None if sel is None else sel.after[row]
     return out
 
@@ -177,16 +180,37 @@ def _for_replica(address: Address, p: Planned) -> dict:
     if not isinstance(p.edit, EDITS):
         raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
                          f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
-    if p.full:
-        raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
-                         f"cluster replicas; give one position's value with positions=, or run locally")
-    data = edit_for_worker(p)
+    data = edit_for_worker(dataclasses.replace(p, per_row=0))
+    data.pop("per_position", None)
     for key in ("vector", "value"):
         if key in data:
             data[key] = getattr(p.edit, key).numpy()
+            data["shape"] = list(data[key].shape)
     data["positions"] = spec_to_json(p.edit.positions)
+    data["rows"] = p.per_row  # leading per-row axes: split with the rows (edits_for_rows)
     data.pop("after")
     return data
+
+
+def edits_for_rows(plain: dict | None, start: int, stop: int, width: int | None = None) -> dict | None:
+    """:func:`edits_for_replica`'s edits for rows ``start:stop`` of the batch: a value per row is
+    cut to those rows (and a value for every position to ``width``, the rows' own width where a
+    one-prompt replica runs a row unpadded)."""
+    if not plain:
+        return plain
+    out = {}
+    for point, chain in plain.items():
+        out[point] = []
+        for data in chain:
+            if data.get("rows"):
+                data = dict(data)
+                key = "vector" if "vector" in data else "value"
+                part = data[key][start:stop]
+                if data["rows"] == 2 and data["positions"] is None and width is not None:
+                    part = part[:, :width]
+                data[key], data["shape"] = part, list(part.shape)
+            out[point].append(data)
+    return out
 
 
 def edits_from_replica(plain: dict | None) -> dict[str, list[Edit]] | None:

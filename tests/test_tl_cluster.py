@@ -80,3 +80,26 @@ def test_final_norm_cfg_and_repr_on_a_cluster(which, cluster_llama, request, loc
     name = local.name.rstrip("/").rsplit("/", 1)[-1]
     replicas = 2 if which == "eager" else 1
     assert repr(model) == f"ClusterModel({name!r}, {local.n_layers} layers, float32, backend={which!r}, replicas={replicas})"
+
+
+@pytest.mark.parametrize("which", ["eager", "vllm"])
+def test_batched_patching_splits_with_the_rows(which, cluster_llama, request, local):
+    """Per-row values on a padded batch: the coordinator cuts them with the rows it sends (two
+    chunks over eager replicas; one unpadded row per request on the vLLM replica)."""
+    model = cluster_llama if which == "eager" else request.getfixturevalue("cluster_vllm")
+    tokens = local.tok.to_tokens(PROMPTS)
+    g = torch.Generator().manual_seed(22)
+    b, w = tokens.shape
+    cases = [
+        {"resid_post.1": Set(torch.randn(b, local.d_model, generator=g), positions=[0])},
+        {"resid_pre.1": Set(torch.randn(b, 1, local.d_model, generator=g), positions=[-1]),
+         "z.0": [Scale(2.0), Add(torch.randn(b, local.n_heads, local.d_head, generator=g))]},
+        {"mlp_out.0": Add(torch.randn(b, w, local.d_model, generator=g))},
+    ]
+    plain = run_with_cache(local, tokens, ["logits"])["logits"]
+    for edits in cases:
+        want = run_with_cache(local, tokens, ["logits", "resid_post.2"], edits=edits)
+        got = run_with_cache(model, tokens, ["logits", "resid_post.2"], edits=edits)
+        assert (want["logits"] - plain).abs().max() > 1e-3
+        for point in ("logits", "resid_post.2"):
+            assert_near(got[point], want[point], f"{which} cluster {list(edits)} {point}", REL)

@@ -126,3 +126,35 @@ def test_final_norm_cfg_tokenizer_repr_and_short_errors(models, tokens):
     with pytest.raises(ValueError) as info:
         run_with_cache(vllm_model, tokens, ["logits"], edits={"resid_post.1": Scale(big)})
     assert "Tensor[512] float32" in str(info.value) and len(str(info.value)) < 600
+
+
+def test_batched_patching_values_on_one_request_equal_eager(models, tokens):
+    """A request carries its own row's values: one per row ([1, d]), one per edited position
+    ([1, n, d]), a whole [1, pos, d] Set (refused on vLLM before); requests in one continuous
+    batch with different per-position values each get theirs."""
+    vllm_model, eager = models
+    g = torch.Generator().manual_seed(21)
+    n = tokens.shape[1]
+    cases = {
+        "resid_post.1": Set(torch.randn(1, eager.d_model, generator=g), positions=[1]),
+        "resid_pre.1": Set(torch.randn(1, 2, eager.d_model, generator=g), positions=[0, -1]),
+        "mlp_out.0": Add(torch.randn(1, n, eager.d_model, generator=g)),
+        "z.1": Set(torch.randn(1, 2, 1, eager.d_head, generator=g), heads=[2], positions=[1, 3]),
+        "v.0": Set(torch.randn(1, n, eager.info.n_kv_heads, eager.d_head, generator=g)),
+    }
+    plain = run_with_cache(eager, tokens, ["logits"])["logits"]
+    for address, edit in cases.items():
+        want = run_with_cache(eager, tokens, ["logits"], edits={address: edit})["logits"]
+        got = run_with_cache(vllm_model, tokens, ["logits"], edits={address: edit})["logits"]
+        assert (want - plain).abs().max() > 1e-4, address
+        assert_near(got, want, f"per-row {address}", REL)
+
+    values = [torch.randn(1, 2, eager.d_model, generator=g) for _ in range(3)]
+    edits = [{"resid_post.0": Set(v, positions=[1, 2])} for v in values]
+
+    async def together():
+        return await asyncio.gather(*(vllm_model.capture(tokens, ["logits"], edits=e) for e in edits))
+
+    for result, e in zip(asyncio.run(together()), edits):
+        want = run_with_cache(eager, tokens, ["logits"], edits=e)["logits"]
+        assert_near(result[parse_address("logits")], want, "per-position values beside others", REL)

@@ -40,7 +40,7 @@ class EagerModel(CaptureModel):
         "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v", "pattern", "resid_streams"}),
-        function_edits=True, whole_value_edits=True, takes_device=True)
+        function_edits=True, takes_device=True)
 
     @classmethod
     def capabilities_for(cls, hf_config) -> Capabilities:

@@ -65,7 +65,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         "vllm", "vLLM", batched=False, forms_pattern=False, gradients=False,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v"}),
-        function_edits=False, whole_value_edits=False, takes_device=False)
+        function_edits=False, takes_device=False)
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
     def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int,

@@ -41,6 +41,8 @@ class _Entry:
     after: int | None
     key: tuple
     holders: int = 0
+    #: the edit's vector / value holds one block per position of ``wanted``, in that order
+    per_position: bool = False
 
 
 def _key(data: dict) -> tuple:
@@ -81,7 +83,8 @@ class EditBook:
         if key not in self._shared:
             positions = data.get("positions")
             wanted = None if positions is None else torch.tensor(positions, dtype=torch.long)
-            self._shared[key] = _Entry(edit_from_worker(data), wanted, data.get("after"), key)
+            self._shared[key] = _Entry(edit_from_worker(data), wanted, data.get("after"), key,
+                                       per_position=bool(data.get("per_position")))
         entry = self._shared[key]
         entry.holders += 1
         return entry
@@ -124,7 +127,10 @@ class EditBook:
                 now = tensor if out is None else out
                 x = now[rows] if offset is None else now[rows] + offset[rows]
                 block = self._block(address, x)
-                new = apply_edit(self._localized(entry, address), x.unflatten(-1, block)).flatten(-len(block))
+                edit = self._localized(entry, address)
+                if entry.per_position:  # each row's own value: the block of its position
+                    edit = _at_positions(edit, torch.searchsorted(entry.wanted, self.positions[rows]))
+                new = apply_edit(edit, x.unflatten(-1, block)).flatten(-len(block))
                 if offset is not None:
                     new = new - offset[rows]
                 if out is None:
@@ -176,6 +182,12 @@ class EditBook:
 
     def resid_pre(self, layer: int) -> torch.Tensor:
         return self._resid_pre[layer]
+
+
+def _at_positions(edit, columns: torch.Tensor):
+    """``edit`` with its per-position vector / value cut to ``columns`` (one block per edited row)."""
+    field = "vector" if isinstance(edit, Add) else "value"
+    return dataclasses.replace(edit, **{field: getattr(edit, field)[columns]})
 
 
 def _localize(edit, address: Address, shard: str, info: dict, rank: int, tp: int):

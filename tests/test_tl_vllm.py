@@ -7,6 +7,8 @@ and tests/test_tl_names.py), within the cross-backend tolerance."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 
 import pytest
 import torch
@@ -21,12 +23,31 @@ pytest.importorskip("vllm")
 PROMPT = "a prompt for the tl checks"
 
 
+#: what vLLM logged while the module's engine started (it should be quiet: errors only)
+STARTUP_LINES: list = []
+
+
 @pytest.fixture(scope="module")
 def models(tiny_path, eager_models):
     from interp_engine import load_model
+    from interp_engine.backends.vllm import model  # noqa: F401  (vLLM's import-time lines come before any engine)
 
-    with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128) as vllm_model:
+    handler = logging.Handler()
+    handler.emit = STARTUP_LINES.append
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        vllm_model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128)
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+    with vllm_model:
         yield vllm_model, eager_models("llama")
+
+
+def test_the_engine_started_quietly(models):
+    if os.environ.get("VLLM_LOGGING_LEVEL"):
+        pytest.skip("VLLM_LOGGING_LEVEL is set: the user's level wins")
+    lines = [f"{r.levelname} {r.getMessage()}" for r in STARTUP_LINES if r.levelno < logging.ERROR]
+    assert not lines, f"vLLM printed {len(lines)} lines at start-up, e.g. {lines[:3]}"
 
 
 @pytest.fixture(scope="module")

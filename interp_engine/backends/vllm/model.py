@@ -42,8 +42,9 @@ from interp_engine.errors import InputError, InternalError
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
 from interp_engine.wire import WorkerRequest, edit_for_worker
 from ..heads import split_heads
-from .engine import engine_options, memory_defaults, start_engine, stop_engine
+from .engine import engine_options, memory_defaults, quiet_start, start_engine, stop_engine
 from .loop import EngineLoop, Finished, Job, run_on_loop
+from .limits import check_limits
 
 def _sampling_params(options: Sampling | None):
     from vllm import SamplingParams
@@ -268,12 +269,14 @@ def _shutdown(loop: EngineLoop, llm) -> None:
 
 
 def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_parallel_size: int = 1,
-              max_model_len: int | None = None, **options) -> VllmModel:
+              max_model_len: int | None = None, verbose: bool = False, **options) -> VllmModel:
     """Start a vLLM capture engine for the Hugging Face folder ``path``.
 
     ``options`` are further ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``max_num_seqs``,
     ``seed``, ...); the few that would change what is captured are fixed (see
-    :mod:`.engine`). ``max_model_len`` defaults to the model's context length.
+    :mod:`.engine`). ``max_model_len`` defaults to the model's context length. What this vLLM
+    build cannot run is refused before the engine starts (:mod:`.limits`); vLLM's own INFO and
+    WARNING lines are quiet while it starts unless ``verbose=True``.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -286,9 +289,13 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} must divide the {info.n_heads} attention heads of {name}"
         )
-    max_model_len = int(max_model_len or info.n_ctx)
-    options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
-    llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options))
+    if not isinstance(verbose, bool):
+        raise InputError(f"verbose must be True or False, got {verbose!r}")
+    with quiet_start(verbose):  # reading vLLM's limits imports the parts of it that speak up
+        check_limits(info, options)
+        max_model_len = int(max_model_len or info.n_ctx)
+        options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
+        llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options), verbose=verbose)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         return VllmModel(llm, config, tokenizer, name, max_model_len=max_model_len,

@@ -63,6 +63,7 @@ from .errors import PromptsError as PromptsError
 from .errors import RoutingError as RoutingError
 from .errors import ShardFailed as ShardFailed
 from .errors import StorageError as StorageError
+from .errors import UnsupportedModel as UnsupportedModel
 from .errors import UnsupportedVllmVersion as UnsupportedVllmVersion
 
 from .version import VERSION as __version__

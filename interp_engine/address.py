@@ -137,6 +137,8 @@ class ModelInfo:
     family: str = ""
     #: the site names this model's family table serves (empty: every site)
     sites: frozenset[str] = frozenset()
+    #: ``(site, why)`` for sites the family has no module for, where its record says why
+    refused: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -177,10 +179,10 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             f"or attn_out / mlp_out for what each block writes (see docs/MOE.md)"
         )
     if info.sites and address.name not in info.sites:
+        why = dict(info.refused).get(address.name, "its module is laid out differently there")
         raise AddressError(
             f"{format_address(address)!r}: the {info.family or info.name} family table has no {address.name!r} "
-            f"(its module is laid out differently there); valid sites: "
-            f"{', '.join(valid_sites(info, caps))}"
+            f"({why}); valid sites: {', '.join(valid_sites(info, caps))}"
         )
     if site.needs_pattern and not caps.forms_pattern:
         raise AddressError(
@@ -193,9 +195,11 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             + site.fallback.format(L=address.layer)
         )
     if address.name in caps.unserved:
+        why = dict(caps.reasons).get(address.name)
         raise AddressError(
-            f"{format_address(address)!r} is not served on the {backend} backend; "
-            f"valid sites there: {', '.join(valid_sites(info, caps))}"
+            f"{format_address(address)!r} is not served on the {backend} backend"
+            + (f" for {info.name}: {why}" if why else "")
+            + f"; valid sites there: {', '.join(valid_sites(info, caps))}"
         )
     if site.per_layer:
         layers = info.moe_layers if site.moe and info.moe_layers else range(info.n_layers)

@@ -14,6 +14,7 @@ from .address import Address
 from .analysis_checks import broadcastable, check_layer, check_width, layer_count, layer_list, require_held, token_ids
 from .errors import AnalysisError, InternalError, MissingActivations, shown
 from .cache import Cache
+from .frozen_norm import freeze
 from .protocol import HasOProj, HasUnembedding, require
 
 
@@ -152,21 +153,16 @@ def decompose_resid(cache: Cache, layer: int | None = None, *, model=None, retur
 
 
 def final_scale(model, resid: torch.Tensor) -> torch.Tensor:
-    """The final norm as a linear map *at* ``resid``: ``x -> x * scale`` with ``scale`` of shape
-    ``[..., d_model]`` and ``final_norm(resid) == resid * scale``.
+    """The final norm as a linear map *at* ``resid``: ``scale`` of shape ``[..., d_model]`` with
+    ``final_norm(resid) == resid * scale`` for an RMS norm, and ``(resid - mean) * scale + bias``
+    for a LayerNorm (GPT-2, GPT-NeoX; ``bias`` is ``final_norm(0)``).
 
-    An RMS norm divides by the root mean square of its input (one number per position) and
-    multiplies by a gain per feature. Frozen at the final residual, that is linear, so the
-    components of a decomposition can each be put through it and still sum to
-    ``final_norm(resid)`` (the usual way of attributing logits to components)."""
+    A norm divides by one number per position (after centring, for a LayerNorm) and multiplies by
+    a gain per feature. Frozen at the final residual, that is affine, so the components of a
+    decomposition can each be put through its linear part and still sum to ``final_norm(resid)``
+    less the bias (the usual way of attributing logits to components; :mod:`.frozen_norm`)."""
     check_width("final_scale", resid, model, "the residual stream")
-    with torch.no_grad():
-        normed = model.final_norm(resid)
-        gain = model.final_norm(torch.ones(resid.shape[-1], dtype=resid.dtype)).to(normed.device)
-        shaped = resid.to(normed.device) * gain
-        # the per-position factor, recovered by projection (exact for an RMS norm)
-        factor = (normed * shaped).sum(-1, keepdim=True) / (shaped * shaped).sum(-1, keepdim=True).clamp_min(1e-30)
-        return gain * factor
+    return freeze(model.final_norm, resid).scale
 
 
 def _directions(model, target) -> torch.Tensor:
@@ -194,8 +190,9 @@ def logit_attribution(model, cache: Cache, tokens_or_directions, components: tor
     frozen at the final residual (:func:`final_scale`) and dotted with each token's unembedding
     direction. ``tokens_or_directions``: a token id, a one-token string, ids ``[batch, pos]`` (one
     per position, e.g. the next tokens) or directions ``[d_model]`` / ``[batch, pos, d_model]``.
-    Summed over the default components it is the token's logit before any final softcapping
-    (the unembedding has no bias in the supported families). ``head_contributions(...)`` moved to
+    Summed over the default components it is the token's logit before any final softcapping,
+    less the final norm's bias term ``final_norm(0) . direction`` where the norm has a bias
+    (LayerNorm: GPT-2, GPT-NeoX); the unembedding has no bias in the supported families. ``head_contributions(...)`` moved to
     the front (``.permute(2, 0, 1, 3)``) gives per-head attributions.
     """
     require(model, HasUnembedding, "logit_attribution",
@@ -214,8 +211,8 @@ def logit_attribution(model, cache: Cache, tokens_or_directions, components: tor
                             f"decompose_resid(cache, model=model)), got {type(components).__name__}")
     check_width(call, components, model, "components")
     broadcastable(call, "components", components.shape[1:], final.shape, "components captured with this cache")
-    scale = final_scale(model, final)
-    direction = _directions(model, tokens_or_directions).to(scale.device, scale.dtype)
+    frozen = freeze(model.final_norm, final)
+    direction = _directions(model, tokens_or_directions).to(frozen.scale.device, frozen.scale.dtype)
     broadcastable(call, "tokens_or_directions (read as directions)", direction.shape, final.shape,
                   "an id, ids [batch, pos] or a direction [d_model] / [batch, pos, d_model]")
-    return (components.to(scale.device) * scale * direction).sum(-1)
+    return (frozen.linear(components) * direction).sum(-1)

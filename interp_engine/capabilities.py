@@ -38,10 +38,16 @@ class Capabilities:
     takes_device: bool = True
     #: sites this model cannot read exactly (they get a clear error instead)
     unserved: frozenset[str] = frozenset()
+    #: ``(site, why)`` for unserved sites whose refusal has a reason to give
+    reasons: tuple[tuple[str, str], ...] = ()
 
-    def serving(self, unserved) -> "Capabilities":
-        """These capabilities for a model that cannot read the sites ``unserved``."""
-        return dataclasses.replace(self, unserved=frozenset(unserved))
+    def serving(self, unserved, reasons: dict[str, str] | None = None) -> "Capabilities":
+        """These capabilities for a model that cannot read the sites ``unserved`` (``reasons``:
+        why, for some of them)."""
+        unserved = frozenset(unserved)
+        why = {**dict(self.reasons), **(reasons or {})}
+        return dataclasses.replace(self, unserved=unserved,
+                                   reasons=tuple(sorted((s, w) for s, w in why.items() if s in unserved)))
 
 
 #: ``backend=`` name -> ``"module:Class"`` of the :class:`~interp_engine.model.CaptureModel`

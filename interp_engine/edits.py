@@ -153,10 +153,12 @@ def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor
     for point, edit in edits.items():
         name = _site_name(point)
         if name not in writable:
+            why = {**dict(caps.reasons), **dict(info.refused)}.get(name)
             raise AddressError(
                 f"{shown(point)} cannot be edited on the {caps.name} backend"
                 + (f" ({caps.label} never forms the attention pattern)"
                    if name in SITES and SITES[name].needs_pattern and not caps.forms_pattern else "")
+                + (f" ({why})" if why else "")
                 + f"; writable sites of this model there: {', '.join(writable)}")
         (address,) = _one_address(point, info, caps)
         if address in planned:

@@ -28,6 +28,12 @@ class ModelNotFound(FileNotFoundError):
     """The name is neither a local folder, the embedded model, nor in the local HF cache."""
 
 
+class UnsupportedModel(ValueError):
+    """A model whose family no record names and that the generic path cannot serve either (no
+    decoder layers, final norm or unembedding found, or they do not behave as such on the probe);
+    the message says what is missing."""
+
+
 class AnalysisError(InputError):
     """An argument an analysis helper cannot use (the message says what is wrong and what to pass)."""
 

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .archs import arch_for
+from .archs import arch_for, has_record
 from .wire import Packed
 
 
@@ -56,7 +56,8 @@ class Unembedding:
         norm.load_state_dict(weights.norm, strict=True)
         self.norm = norm.eval().requires_grad_(False)
         self.weight = weights.weight
-        self.softcap = arch_for(config).softcap(config)
+        # a model on the generic path has no softcapping: its proof is logits == unembed(final_norm(x))
+        self.softcap = arch_for(config).softcap(config) if has_record(config) else None
 
     def final_norm(self, resid: torch.Tensor) -> torch.Tensor:
         return self.norm(resid.to(self.weight.device))

@@ -13,7 +13,8 @@ should not. So, on the driver, from files alone:
   folder of someone else's files, no malformed manifest (unless ``overwrite``), and no other
   build holding it now.
 
-A model that is not on the driver (a cluster whose nodes hold it at a path the driver lacks)
+A model that is not on the driver (a cluster whose nodes hold it at a path the driver lacks), or
+whose family has no record (the generic path proves what it serves when a replica loads it),
 skips the model, points-against-model and prompt-length checks; the replicas check those. Each
 problem is a :class:`~interp_engine.errors.ConfigError` naming the config field.
 """
@@ -57,11 +58,13 @@ def preflight(config: BuildConfig) -> None:
 def _model_facts(folder, config: BuildConfig):
     from transformers import AutoConfig, AutoTokenizer
 
-    from interp_engine.archs import model_info
+    from interp_engine.archs import has_record, model_info
     from interp_engine.capabilities import backend_class
     from interp_engine.tokens import Tokenizer
 
     hf_config = AutoConfig.from_pretrained(folder)
+    if not has_record(hf_config):  # the generic path: a replica proves what it serves when it loads it
+        return None, None, None
     info = model_info(hf_config, config.model)
     caps = backend_class(config.backend).capabilities_for(hf_config)
     return info, caps, Tokenizer(AutoTokenizer.from_pretrained(folder))

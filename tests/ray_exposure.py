@@ -1,5 +1,5 @@
 """What a running Ray exposes: the sockets its processes listen on, and which HTTP paths on them
-answer a request that carries no token. Used by ``tests/test_security.py`` on the library's own
+answer a request that carries no token. Used by ``tests/cluster/test_security.py`` on the library's own
 local Ray and on the ``cluster/local_cluster.py`` cluster, and compared there with the list that
 docs/CLUSTER.md documents (:func:`documented`).
 """

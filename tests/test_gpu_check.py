@@ -34,5 +34,5 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_models(tmp_path):
 
 def test_device_option_refuses_an_unknown_device():
     done = subprocess.run([sys.executable, "-m", "pytest", "--device", "tpu", "--collect-only", "-q",
-                           "tests/test_address.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "tests/core/test_address.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "invalid choice: 'tpu'" in done.stderr

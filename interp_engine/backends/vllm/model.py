@@ -31,14 +31,14 @@ import torch
 
 from interp_engine import cancel
 from interp_engine.address import Address
-from interp_engine.archs import SAME_AS, arch_for, model_info, unserved_sites, vllm_sites
+from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.model import CaptureModel, Completion, Sampling
 from interp_engine.positions import Selection, held_positions
 from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
-from interp_engine.errors import InputError, InternalError
+from interp_engine.errors import InputError, InternalError, UnsupportedModel
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
 from interp_engine.wire import WorkerRequest, edit_for_worker
 from ..heads import split_heads
@@ -103,7 +103,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def capabilities_for(cls, hf_config) -> Capabilities:
         """The capabilities of a model with this config before its engine starts (the engine may
         find more sites it cannot read exactly)."""
-        return cls.capabilities.serving(unserved_sites(vllm_sites(arch_for(hf_config).family)))
+        arch = arch_for(hf_config)
+        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)), arch.vllm_refused)
 
     @classmethod
     def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,
@@ -135,8 +136,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _fetch_unembedding(self) -> UnembedWeights:
         """The final norm (identical on every rank) and the unembedding, its vocabulary shards
         joined in rank order with vLLM's vocabulary padding cut off."""
-        heads = [self.arch.unembed, self.arch.embed]
-        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.final_norm, heads)
+        heads = [self.arch.vllm_path("unembed"), self.arch.vllm_path("embed")]
+        ranks = run_on_loop(self._loop, "interp_unembedding", self.arch.vllm_path("final_norm"), heads)
         weight = torch.cat([r["weight"] for r in ranks])[: self.info.d_vocab]
         return UnembedWeights(self.hf_config.to_dict(), self.arch.final_norm, ranks[0]["norm"], weight)
 
@@ -281,6 +282,10 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path)
+    if not has_record(config):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} has no family record, and the generic path (a record found and proven "
+            f"on the loaded model) runs on backend='eager' only; load it with backend='eager'")
     info = model_info(config, name)
     vllm_sites(arch_for(config).family)  # an unsupported family fails before the engine starts
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -291,9 +296,11 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
         )
     if not isinstance(verbose, bool):
         raise InputError(f"verbose must be True or False, got {verbose!r}")
+    max_model_len = int(max_model_len or info.n_ctx)
+    if arch_for(config).vllm_transformers_backend:  # its rewrite of the HF classes stays in the worker's process
+        options.setdefault("distributed_executor_backend", "mp")
     with quiet_start(verbose):  # reading vLLM's limits imports the parts of it that speak up
         check_limits(info, options)
-        max_model_len = int(max_model_len or info.n_ctx)
         options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
         llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options), verbose=verbose)
     try:

@@ -25,7 +25,7 @@ from collections import defaultdict
 import torch
 
 from interp_engine.address import SITES, Address
-from interp_engine.archs import LOGITS, Group, Hook, arch_for, group_sites, model_info, vllm_sites
+from interp_engine.archs import LOGITS, ONE, Group, Hook, arch_for, group_sites, model_info, vllm_sites
 from .. import compat as vllm_compat
 from . import experts as vllm_moe
 from .batch import BatchRows
@@ -46,15 +46,18 @@ class WorkerRecorder:
         config = vllm_compat.runner_hf_config(runner)
         arch = arch_for(config)
         self.table = vllm_sites(arch.family)
+        #: (module, phase) of the reads that see the flat batch inside a batch axis of one
+        self._one = {(read.module, read.phase) for read in self.table.values() if read.layout == ONE}
         info = model_info(config, "")
         self.editor = EditBook(self.table, {"n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads,
                                             "d_head": info.d_head, "d_mlp": info.d_mlp}, tp_rank, tp_size)
         # hook -> the edits applied there, in forward order; hook -> layer whose resid_pre it keeps
         self._edit_groups: dict[Group, list[Address]] = {}
         self._stash_groups: dict[Group, int] = {}
-        self.layers = self.model.get_submodule(arch.layers)
+        layers = arch.vllm_path("layers")
+        self.layers = self.model.get_submodule(layers)
         #: the module that runs the layers (its forward loops over them)
-        self.stack = self.model.get_submodule(arch.layers.rpartition(".")[0])
+        self.stack = self.model.get_submodule(layers.rpartition(".")[0])
         #: the registered requests and this forward's rows of each
         self.requests = BatchRows()
         #: bytes of every row this worker has handed back (what crosses to the driver)
@@ -184,10 +187,11 @@ class WorkerRecorder:
             if not (self.batch or editing):
                 return None
             bound = dict(self._bind(module, args, kwargs))
+            one = _unbatch(bound) if (group[1], group[2]) in self._one else ()
             changed = self._apply(group, bound) if editing else False
             if self.batch:
                 self._record(group, lambda read: [bound.get(name) for name in read.parts])
-            return self._rebind(module, args, kwargs, bound) if changed else None
+            return self._rebind(module, args, kwargs, _rebatch(bound, one)) if changed else None
 
         return hook
 
@@ -198,11 +202,13 @@ class WorkerRecorder:
                 return None
             many = isinstance(output, (tuple, list))
             items = dict(enumerate(output if many else (output,)))
+            one = _unbatch(items) if (group[1], group[2]) in self._one else ()
             changed = self._apply(group, items) if editing else False
             if self.batch:
                 self._record(group, lambda read: [items[i] for i in read.parts])
             if not changed:
                 return None
+            items = _rebatch(items, one)
             values = [items[i] for i in range(len(items))]
             return type(output)(values) if many else values[0]
 
@@ -213,17 +219,26 @@ class WorkerRecorder:
         names = list(self._signatures[id(module)].parameters)
         args, kwargs = list(args), dict(kwargs)
         for name, value in bound.items():
-            if name in kwargs:
+            if isinstance(name, int):
+                args[name] = value
+            elif name in kwargs:
                 kwargs[name] = value
             elif names.index(name) < len(args):
                 args[names.index(name)] = value
         return tuple(args), kwargs
 
     def _bind(self, module, args, kwargs) -> dict:
+        """The forward's arguments by parameter name; those a ``*args`` parameter takes (a custom
+        op's ``forward(*args)``) by their position instead."""
         signature = self._signatures.get(id(module))
         if signature is None:
             signature = self._signatures[id(module)] = inspect.signature(module.forward)
-        return signature.bind_partial(*args, **kwargs).arguments
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_POSITIONAL and name in bound:
+                rest = bound.pop(name)
+                bound.update({len(args) - len(rest) + i: value for i, value in enumerate(rest)})
+        return bound
 
     def _record(self, group: Group, operands) -> None:
         for address in self._groups.get(group, ()):
@@ -256,6 +271,20 @@ class WorkerRecorder:
         values = vllm_compat.compute_logits(self.model, hidden[selection[0]])
         if values is not None and self.tp_rank == 0:
             self.requests.keep(logits, selection, values)
+
+
+def _unbatch(values: dict) -> tuple:
+    """Drop the batch axis of one from every tensor of ``values`` that has it (in place); the keys
+    it was dropped from."""
+    keys = tuple(k for k, v in values.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == 1)
+    for key in keys:
+        values[key] = values[key][0]
+    return keys
+
+
+def _rebatch(values: dict, keys: tuple) -> dict:
+    """``values`` with the batch axis of one put back on ``keys``."""
+    return {k: (v[None] if k in keys else v) for k, v in values.items()}
 
 
 def _select(parts: list[torch.Tensor], selector) -> torch.Tensor:

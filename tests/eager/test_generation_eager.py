@@ -1,0 +1,72 @@
+"""capture_generation and the async capture on the eager backend."""
+
+import asyncio
+
+import pytest
+import torch
+
+from interp_engine import Address, capture_generation, run_with_cache
+
+from .. import sampling_checks
+
+POINTS = ["resid_post.1", "z.2", "q.0", "k.1", "v.2", "pattern.1", "logits"]
+
+
+@pytest.fixture(scope="module")
+def model(eager_models):
+    return eager_models("qwen3")
+
+
+def test_generation_cache_equals_one_forward_over_the_fed_tokens(model):
+    tokens = model.to_tokens("Once upon")
+    completion, cache = capture_generation(model, tokens, POINTS, max_tokens=6)
+    assert len(completion.token_ids) == 6 and completion.finish_reason == "length"
+    n = tokens.shape[1] + len(completion.token_ids) - 1
+    assert cache.tokens.shape == (1, n)
+    assert cache.tokens[0, : tokens.shape[1]].tolist() == tokens[0].tolist()
+    assert cache.tokens[0, tokens.shape[1]:].tolist() == completion.token_ids[:-1]
+    full = run_with_cache(model, cache.tokens, POINTS)
+    for a in POINTS:
+        assert cache[a].shape == full[a].shape
+        torch.testing.assert_close(cache[a], full[a], atol=1e-5, rtol=1e-5)
+    # greedy: each generated token is the argmax of the logits at the previous position
+    assert full["logits"][0, tokens.shape[1] - 1 :].argmax(-1).tolist() == completion.token_ids
+
+
+def test_sampling_with_seed_is_reproducible(model):
+    tokens = model.to_tokens("Once upon")
+    a, _ = capture_generation(model, tokens, ["resid_post.0"], max_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    b, _ = capture_generation(model, tokens, ["resid_post.0"], max_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    assert a.token_ids == b.token_ids
+
+
+def test_async_capture_is_a_plain_dict_keyed_by_address(model):
+    prompts = ["a", "bb bb", "ccc ccc ccc"]
+
+    async def main():
+        return await asyncio.gather(*(model.capture(model.to_tokens(p), ["resid_post.1"]) for p in prompts))
+
+    results = asyncio.run(main())
+    for prompt, got in zip(prompts, results):
+        assert type(got) is dict
+        with pytest.raises(KeyError):
+            got["resid_post.1"]
+        ref = run_with_cache(model, model.to_tokens(prompt), ["resid_post.1"])
+        assert torch.equal(got[Address("resid_post", 1)], ref.get("resid_post", 1))
+
+
+def test_captured_tensors_can_train_a_probe(model):
+    """Captures are ordinary tensors (not inference-mode ones), so a probe trains on them."""
+    _, generated = capture_generation(model, model.to_tokens("probe"), ["resid_post.1"], max_tokens=2)
+    for cache in (run_with_cache(model, model.to_tokens("probe me"), ["resid_post.1"]), generated):
+        x = cache.get("resid_post", 1)
+        assert not x.is_inference() and not x.requires_grad
+        probe = torch.nn.Linear(x.shape[-1], 1, device=x.device)
+        probe(x).sum().backward()
+        assert probe.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("check", sampling_checks.PROPERTIES, ids=lambda check: check.__name__)
+def test_sampling(model, check):
+    """What temperature, top-k, top-p and seed mean (tests/sampling_checks.py)."""
+    check(model)

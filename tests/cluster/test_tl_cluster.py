@@ -103,3 +103,16 @@ def test_batched_patching_splits_with_the_rows(which, cluster_llama, request, lo
         assert (want["logits"] - plain).abs().max() > 1e-3
         for point in ("logits", "resid_post.2"):
             assert_near(got[point], want[point], f"{which} cluster {list(edits)} {point}", REL)
+
+
+def test_lens_layers_and_short_errors_on_a_cluster(cluster_llama, local):
+    from interp_engine import InputError, logit_lens
+
+    tokens = local.tok.to_tokens(PROMPTS)
+    got = run_with_cache(cluster_llama, tokens, ["resid_post"])
+    want = run_with_cache(local, tokens, ["resid_post"])
+    assert_near(logit_lens(cluster_llama, got, -1), logit_lens(local, want, [local.n_layers - 1]), "lens -1", REL)
+    big = torch.arange(local.d_model * 4.0) + 1000
+    with pytest.raises(InputError) as info:
+        run_with_cache(cluster_llama, tokens, ["logits"], edits={"resid_post.1": Scale(big)})
+    assert "Tensor[512] float32" in str(info.value) and len(str(info.value)) < 600

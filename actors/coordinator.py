@@ -17,18 +17,15 @@ import threading
 from typing import Any
 
 import numpy as np
-import torch
 
 from interp_engine import cancel
-from interp_engine.address import parse_address
-from interp_engine.batching import chunk_bounds, join_rows
+from interp_engine.batching import join_captured, split_with_edits
 from interp_engine.errors import InternalError, user_error
 from interp_engine.dataset.shard import ShardSpec, ShardStats
-from interp_engine.tokens import unpad
 
 from .replica import ray_task_cancelled
 from .scheduler import ReplicaDied, Scheduler, Shard
-from interp_engine.wire import CaptureReply, GenerationReply, edits_for_rows, pack_dict
+from interp_engine.wire import CaptureReply, GenerationReply
 
 
 class CoordinatorCore:
@@ -69,26 +66,15 @@ class CoordinatorCore:
                 results[shard.index] = captured
         finally:
             self._forget(scheduler)
-        parts = [results[i] for i in range(len(shards))]
-        if len(parts) == 1 and parts[0].tokens.shape == tokens.shape:
-            return parts[0]
-        tensors = [{parse_address(k): v.tensor() for k, v in p.tensors.items()} for p in parts]
-        held = None if positions is None else [torch.from_numpy(np.array(p.positions)) for p in parts]
-        joined, padded, held = join_rows(tensors, [torch.from_numpy(np.array(p.tokens)) for p in parts],
-                                         tokens.shape[1], held)
-        return CaptureReply(pack_dict(joined), padded.numpy(), None if held is None else held.numpy())
+        return join_captured([results[i] for i in range(len(shards))], tokens, positions is not None)
 
     def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
-        specs as given), which every replica resolves per row; an edit's value per row is cut to
-        the shard's rows (a one-prompt replica runs its row at its own width)."""
-        if not self.batched:
-            rows = unpad(tokens)
-            return [Shard(i, (row, points, positions, edits_for_rows(edits, i, i + 1, row.shape[1])))
-                    for i, row in enumerate(rows)]
-        bounds = chunk_bounds(tokens.shape[0], len(self.replicas))
-        return [Shard(i, (tokens[a:b], points, positions, edits_for_rows(edits, a, b)))
-                for i, (a, b) in enumerate(bounds)]
+        specs as given), which every replica resolves per row; an edit's value per row is cut with
+        the piece's rows (:func:`~interp_engine.batching.split_with_edits`)."""
+        return [Shard(i, (rows, points, positions, piece_edits))
+                for i, (rows, piece_edits) in enumerate(split_with_edits(tokens, self.batched, len(self.replicas),
+                                                                          edits))]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None) -> GenerationReply:

@@ -39,6 +39,12 @@ from .protocol import HasOProj as HasOProj
 from .protocol import HasUnembedding as HasUnembedding
 from .protocol import WritesShards as WritesShards
 from .routing import expert_assignment as expert_assignment
+from .service import Limits as Limits
+from .service import ServiceInfo as ServiceInfo
+from .service import ServiceModel as ServiceModel
+from .service import connect as connect
+from .service import serve as serve
+from .service import shutdown as shutdown
 from .tokens import PAD_ID as PAD_ID
 
 from .errors import AddressError as AddressError
@@ -56,11 +62,14 @@ from .errors import EngineMemoryError as EngineMemoryError
 from .errors import EngineStopped as EngineStopped
 from .errors import InputError as InputError
 from .errors import InternalError as InternalError
+from .errors import LimitExceeded as LimitExceeded
 from .errors import LoopbackError as LoopbackError
 from .errors import MissingActivations as MissingActivations
 from .errors import ModelNotFound as ModelNotFound
 from .errors import PromptsError as PromptsError
 from .errors import RoutingError as RoutingError
+from .errors import ServiceAuthError as ServiceAuthError
+from .errors import ServiceError as ServiceError
 from .errors import ShardFailed as ShardFailed
 from .errors import StorageError as StorageError
 from .errors import UnsupportedModel as UnsupportedModel

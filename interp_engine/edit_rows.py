@@ -113,3 +113,18 @@ def one_row(planned, row: int) -> tuple[object, list[int] | None, bool]:
     if positions is None:
         positions = list(range(value.shape[0]))
     return dataclasses.replace(edit, **{field: value}), positions, True
+
+
+def row_edit(planned, row: int, length: int):
+    """The edit as the caller would give it for ``row`` alone, run at its own ``length``: a value
+    per row cut to that row (``[1, *block]`` / ``[1, n, *block]``; a value for every position of
+    the batch also to the row's length). The positions spec is kept as given: each row resolves
+    it against its own length, as in the batch."""
+    edit = planned.edit
+    if not planned.per_row:
+        return edit
+    field = _field(edit)
+    value = getattr(edit, field)[row:row + 1]
+    if planned.per_row == 2 and planned.selection is None:
+        value = value[:, :length]
+    return dataclasses.replace(edit, **{field: value})

@@ -96,6 +96,19 @@ class RemoteError(RuntimeError):
     """
 
 
+class ServiceError(ClusterError):
+    """A deployed capture service cannot be found, reached or started (the message says which and why)."""
+
+
+class ServiceAuthError(ServiceError):
+    """The service refused the request's bearer token: none was sent (HTTP 401) or a wrong one (403)."""
+
+
+class LimitExceeded(InputError):
+    """A request asks a service for more than one of its limits allows (HTTP 413; the message names
+    the limit, its value and how to fit)."""
+
+
 class ConfigError(ValueError):
     """A job configuration that does not validate; the message lists every bad field."""
 

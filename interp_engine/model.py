@@ -218,9 +218,11 @@ class CaptureModel:
     def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
         batches requests itself (vLLM) keeps them all in flight at once; this default runs them
-        one after another (the points checked once for all rows)."""
+        one after another (the points checked once for all rows). ``edits``: the same for every row,
+        or a list of each row's own."""
         points = self.check_points(points)
-        return [self.run_with_cache(row, points, positions=positions, edits=edits) for row in rows]
+        each = edits if isinstance(edits, list) else [edits] * len(rows)
+        return [self.run_with_cache(row, points, positions=positions, edits=e) for row, e in zip(rows, each)]
 
     def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
                            **sampling) -> tuple[Completion, Cache]:

@@ -19,9 +19,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     # a Ray cluster (local, token auth)
     **{m: ("ray",) for m in (
         "test_cluster", "test_cluster_configs", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",
-        "test_security", "test_jobs", "test_docs", "test_family_cluster")},
+        "test_security", "test_jobs", "test_docs", "test_family_cluster", "test_service", "test_service_scaling")},
     "test_cluster_vllm": ("ray", "vllm"),
     "test_tl_cluster": ("ray", "vllm"),
+    "test_service_vllm": ("ray", "vllm"),
     "test_cancel": ("ray", "vllm"),
     "test_dataset_speed": ("vllm",),
     "test_cluster_s3": ("ray", "s3"),

@@ -154,15 +154,17 @@ def test_yaml_block_is_a_valid_job_config(block: Block):
 
 def test_readme_layout_names_files_that_exist():
     layout = next(b for b in ALL if b.path.name == "README.md" and b.lang == "text")
-    parent = Path()
+    folders: list[tuple[int, Path]] = []  # the folders the lines above are in, with their indents
     missing = []
     for line in layout.code.splitlines():
-        if not line.strip():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or indent >= 20:  # blank, or a description continued under its column
             continue
-        name = line.split()[0]
-        path = (parent / name) if line.startswith(" ") else Path(name)
-        if not line.startswith(" "):
-            parent = path
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        path = (folders[-1][1] if folders else Path()) / line.split()[0]
+        if line.split()[0].endswith("/"):
+            folders.append((indent, path))
         if not (ROOT / path).exists():
             missing.append(str(path))
     assert not missing, f"README's layout names {missing}, which do not exist"

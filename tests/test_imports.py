@@ -87,7 +87,7 @@ FLOORS = [
     ("backends", ["interp_engine.backends"]),  # eager in the caller; vllm's worker/ inside vLLM's workers
     ("dataset", ["interp_engine.dataset"]),
     ("actors", ["interp_engine.actors"]),  # Ray worker processes (package-dir: actors/)
-    ("cluster", ["interp_engine.cluster"]),  # the driver side of a cluster: creates the actors
+    ("cluster", ["interp_engine.cluster", "interp_engine.service"]),  # the driver side of a cluster (creates the actors); the service
     ("entry", ["interp_engine", "interp_engine.loading", "interp_engine.jobs", "interp_engine.examples"]),
 ]
 
@@ -121,6 +121,17 @@ def test_no_module_imports_from_a_higher_floor():
         if above:
             upward[f"{name} ({FLOORS[floor(name)][0]})"] = [f"{t} ({FLOORS[floor(t)][0]})" for t in above]
     assert not upward, "imports from a higher floor:\n" + "\n".join(f"{k} -> {v}" for k, v in upward.items())
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages setuptools installs: every folder of the library with an
+    ``__init__.py`` is among them (a subpackage left out is missing from a wheel)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found - listed == set(), f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
+    assert listed - found == set(), f"pyproject.toml lists packages that do not exist: {sorted(listed - found)}"
 
 
 def test_readme_layout_names_every_library_module():

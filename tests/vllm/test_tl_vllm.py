@@ -179,3 +179,19 @@ def test_batched_patching_values_on_one_request_equal_eager(models, tokens):
     for result, e in zip(asyncio.run(together()), edits):
         want = run_with_cache(eager, tokens, ["logits"], edits=e)["logits"]
         assert_near(result[parse_address("logits")], want, "per-position values beside others", REL)
+
+
+def test_a_padded_batch_with_per_row_values_is_split_with_its_rows(models):
+    """What a replica (or a service replica) does with a batch on a one-prompt engine: each row
+    at its own length, with its own row's values (batching.run_padded)."""
+    from interp_engine.batching import run_padded
+
+    vllm_model, eager = models
+    tokens = eager.to_tokens(["a short one", "and a longer second prompt here"])
+    g = torch.Generator().manual_seed(23)
+    edits = {"resid_pre.1": [Scale(0.5), Set(torch.randn(2, 1, eager.d_model, generator=g), positions=[-1])],
+             "mlp_out.0": Add(torch.randn(2, tokens.shape[1], eager.d_model, generator=g))}
+    got = run_padded(vllm_model, tokens, [Address("logits"), Address("resid_post", 1)], edits=edits)
+    want = run_with_cache(eager, tokens, ["logits", "resid_post.1"], edits=edits)
+    for point in ("logits", "resid_post.1"):
+        assert_near(got[point], want[point], f"run_padded {point}", REL)

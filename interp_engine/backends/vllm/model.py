@@ -197,9 +197,10 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
         batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
         Each row is checked first: a bad one fails the call before any is submitted (the points
-        once for all rows)."""
+        once for all rows). ``edits``: the same for every row, or a list of each row's own."""
         points = self.check_points(points)
-        calls = [self.request(row, points, positions=positions, edits=edits) for row in rows]
+        each = edits if isinstance(edits, list) else [edits] * len(rows)
+        calls = [self.request(row, points, positions=positions, edits=e) for row, e in zip(rows, each)]
         futures = [self._submit(r) for r in calls]
         try:
             return [self._stamped(self._cache(cancel.wait(future), r.tokens, list(r.points), r.positions,

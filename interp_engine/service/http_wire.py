@@ -1,0 +1,153 @@
+"""The service's HTTP wire format, shared by the server and the Python client (no Ray, no pickle).
+
+Requests are JSON (docs/SERVICE.md has the schema; the server validates it with the pydantic
+models of :mod:`.http_api`). A tensor inside a request (an edit's vector or value) is
+``{"shape": [...], "dtype": "float32", "data": "<base64 of the little-endian bytes>"}``, so it
+crosses exactly, without a detour through decimal text.
+
+Activations come back as one safetensors file (``application/octet-stream``): a tensor per
+captured address, named by its string form (``"resid_post.10"``), ``"tokens"`` (int64 ``[batch,
+pos]``, right-padded with -1: what the model ran) and, when ``positions=`` kept a selection,
+``"positions"`` (int64 ``[batch, held]``, -1 where a row holds fewer). Neither reserved name is an
+address. The header's ``__metadata__`` holds ``format`` (:data:`FORMAT`), ``points`` (a JSON list
+of the addresses in request order) and, for a generation, ``completion``: a JSON object
+``{"text", "token_ids", "finish_reason"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import torch
+
+from ..wire import CaptureReply, GenerationReply
+from ..wire import Packed
+from ..errors import InternalError
+
+FORMAT = "interp_engine.capture/1"
+#: tensors of a capture response that are not addresses
+RESERVED = ("tokens", "positions")
+#: the dtypes a JSON tensor may carry, by name
+JSON_DTYPES = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+
+
+# -- tensors inside JSON ------------------------------------------------------------------------
+def tensor_to_json(array) -> dict:
+    """A float32 array (or tensor) as ``{"shape", "dtype", "data"}`` (base64 of little-endian bytes)."""
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    array = np.ascontiguousarray(array, dtype=JSON_DTYPES["float32"])
+    return {"shape": list(array.shape), "dtype": "float32", "data": base64.b64encode(array.tobytes()).decode()}
+
+
+def tensor_from_json(data: dict) -> np.ndarray:
+    """The array :func:`tensor_to_json` described; a ``ValueError`` naming the mismatch otherwise."""
+    dtype = JSON_DTYPES.get(data.get("dtype", "float32"))
+    if dtype is None:
+        raise ValueError(f"tensor dtype {data.get('dtype')!r} is not one of {', '.join(JSON_DTYPES)}")
+    raw = base64.b64decode(data["data"], validate=True)
+    shape = [int(n) for n in data["shape"]]
+    if len(raw) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise ValueError(f"tensor data holds {len(raw)} bytes, but shape {shape} of {dtype.name} needs "
+                         f"{int(np.prod(shape, dtype=np.int64)) * dtype.itemsize}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(np.float32 if dtype.kind == "f" else np.int64)
+
+
+# -- edits and positions as JSON ----------------------------------------------------------------
+def edits_to_json(plain: dict | None) -> dict | None:
+    """Checked edits in their plain form (:func:`interp_engine.wire.edits_for_replica`: per
+    address, its edits in order) as JSON: per address, a list of edit objects."""
+    if not plain:
+        return None
+    return {point: [_edit_to_json(data) for data in chain] for point, chain in plain.items()}
+
+
+def _edit_to_json(data: dict) -> dict:
+    item = {"kind": data["kind"], "heads": data.get("heads"), "positions": data.get("positions")}
+    for key in ("scale", "norm_relative", "factor"):
+        if key in data:
+            item[key] = data[key]
+    for key in ("vector", "value"):
+        if key in data:
+            item[key] = tensor_to_json(data[key])
+    return item
+
+
+def edits_from_json(edits: dict | None) -> dict | None:
+    """The plain form (:func:`interp_engine.wire.edits_from_replica` reads it) of JSON edits: per
+    address one edit object, or a list of them applied in order."""
+    if not edits:
+        return None
+    return {point: [_edit_from_json(item) for item in (chain if isinstance(chain, list) else [chain])]
+            for point, chain in edits.items()}
+
+
+def _edit_from_json(item: dict) -> dict:
+    data = {"kind": item["kind"], "heads": item.get("heads"), "positions": item.get("positions")}
+    if item["kind"] == "add":
+        data.update(scale=item.get("scale", 1.0), norm_relative=item.get("norm_relative", False))
+    if item["kind"] == "scale":
+        data["factor"] = item.get("factor")
+    for key in ("vector", "value"):
+        if item.get(key) is not None:
+            data[key] = tensor_from_json(item[key])
+            data["shape"] = list(data[key].shape)
+    return data
+
+
+# -- capture responses as safetensors -----------------------------------------------------------
+def encode_capture(result: CaptureReply | GenerationReply, points: list[str] | None = None) -> bytes:
+    """One capture (or generation) result as the bytes of a safetensors file (see the module doc)."""
+    from safetensors.torch import save
+
+    tensors = {name: packed.tensor() for name, packed in result.tensors.items()}
+    tensors["tokens"] = torch.from_numpy(np.array(result.tokens, dtype=np.int64))
+    if result.positions is not None:
+        tensors["positions"] = torch.from_numpy(np.array(result.positions, dtype=np.int64))
+    metadata = {"format": FORMAT, "points": json.dumps(points if points is not None else list(result.tensors))}
+    if isinstance(result, GenerationReply):
+        metadata["completion"] = json.dumps({"text": result.text, "token_ids": list(result.token_ids),
+                                             "finish_reason": result.finish_reason})
+    return save(tensors, metadata)
+
+
+def decode_capture(body: bytes) -> CaptureReply | GenerationReply:
+    """The result :func:`encode_capture` wrote."""
+    from safetensors.torch import load
+
+    metadata = _metadata(body)
+    if metadata.get("format") != FORMAT:
+        raise InternalError(f"[Internal] the service answered a capture in format {metadata.get('format')!r}, "
+                            f"not {FORMAT!r}: client and service are different versions")
+    loaded = load(body)
+    points = json.loads(metadata["points"])
+    tensors = {p: Packed.of(loaded[p]) for p in points}
+    tokens = loaded["tokens"].numpy()
+    positions = loaded["positions"].numpy() if "positions" in loaded else None
+    if "completion" in metadata:
+        done = json.loads(metadata["completion"])
+        return GenerationReply(done["text"], list(done["token_ids"]), done["finish_reason"], tensors, tokens, positions)
+    return CaptureReply(tensors, tokens, positions)
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, {"format": FORMAT, **(metadata or {})})
+
+
+def decode_tensors(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors.torch import load
+
+    return load(body), _metadata(body)
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in memory: the 8-byte little-endian header
+    length, then the JSON header."""
+    if len(body) < 8:
+        raise InternalError(f"[Internal] the service answered {len(body)} bytes, not a safetensors file")
+    size = int.from_bytes(body[:8], "little")
+    return json.loads(body[8:8 + size]).get("__metadata__", {}) or {}

@@ -1,0 +1,89 @@
+"""What one HTTP request may ask of the service, and the checks that refuse more (HTTP 413).
+
+A request over a limit is refused before any work, with a :class:`~interp_engine.errors.LimitExceeded`
+that names the limit, its value, what the request asked for and how to fit. The response size is
+bounded from the model's shapes before the capture runs (every point at every position the
+request can produce), and measured again on the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..address import Address, ModelInfo
+from ..errors import LimitExceeded
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-request limits of a deployed service (``serve(..., limits=Limits(...))``)."""
+
+    #: prompts (rows) in one request
+    max_prompts: int = 64
+    #: prompt tokens in one request (rows x padded width)
+    max_tokens: int = 65536
+    #: addresses one request captures (after expanding site names)
+    max_points: int = 512
+    #: ``max_tokens`` of one generation
+    max_new_tokens: int = 1024
+    #: bytes of activations one response carries
+    max_response_bytes: int = 512 * 2**20
+    #: bytes of one request body (edit vectors travel in it)
+    max_request_bytes: int = 64 * 2**20
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{field.name} must be a positive int, got {value!r}")
+
+    def refuse(self, limit: str, asked, fix: str) -> LimitExceeded:
+        return LimitExceeded(f"the request asks for {asked}, over this service's limit {limit}="
+                             f"{getattr(self, limit)}; {fix}")
+
+    def check_request(self, rows: int, width: int, points: int, new_tokens: int = 0) -> None:
+        if rows > self.max_prompts:
+            raise self.refuse("max_prompts", f"{rows} prompts", "send fewer prompts per request")
+        if rows * width > self.max_tokens:
+            raise self.refuse("max_tokens", f"{rows * width} prompt tokens ({rows} x {width})",
+                              "send fewer or shorter prompts per request")
+        if points > self.max_points:
+            raise self.refuse("max_points", f"{points} points", "capture fewer points per request")
+        if new_tokens > self.max_new_tokens:
+            raise self.refuse("max_new_tokens", f"max_tokens={new_tokens}", "generate fewer tokens per request")
+
+    def check_response(self, nbytes: int, what: str = "the response") -> None:
+        if nbytes > self.max_response_bytes:
+            raise self.refuse("max_response_bytes", f"{what} of {nbytes} bytes",
+                              "capture fewer points or positions (positions=) per request")
+
+
+def _per_row(address: Address, info: ModelInfo, positions: int, total: int) -> int:
+    """Elements of one row of ``address``'s tensor holding ``positions`` of ``total`` positions."""
+    heads = {"z": info.n_heads, "q": info.n_heads, "k": info.n_kv_heads, "v": info.n_kv_heads}
+    if address.name in heads:
+        return positions * heads[address.name] * info.d_head
+    if address.name == "pattern":
+        return info.n_heads * positions * total
+    if address.name == "mlp_post":
+        return positions * info.d_mlp
+    if address.name == "router_logits":
+        return positions * info.n_experts
+    if address.name in ("expert_weights", "expert_indices"):
+        return positions * info.top_k
+    if address.name == "logits":
+        return positions * info.d_vocab
+    return positions * info.d_model
+
+
+def response_bound(addresses: list[Address], info: ModelInfo, rows: int, positions: int, total: int,
+                   itemsize: int) -> int:
+    """At most how many bytes a capture of ``addresses`` returns for ``rows`` rows that hold
+    ``positions`` of ``total`` positions each (8 bytes an element for the int64 expert indices)."""
+    return sum(rows * _per_row(a, info, positions, total) * (8 if a.name == "expert_indices" else itemsize)
+               for a in addresses)
+
+
+def itemsize(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
+

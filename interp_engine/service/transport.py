@@ -1,0 +1,329 @@
+"""How a connected model reaches a deployed service: through Ray (a Serve ``DeploymentHandle``) or
+over HTTP (the API of :mod:`.http_api`; no Ray needed). Both offer the same calls, with the
+cluster's wire values (:class:`~interp_engine.wire.CaptureReply`, ``GenerationReply``), so the model
+on top (:mod:`.client`) does not know which it uses.
+
+Captures are idempotent, so a request that was lost — its replica died under it (Serve starts a
+new one), its connection broke, or the service answered 503 because its queue was full — is sent
+again, after ``Retry-After`` or a growing back-off, until it succeeds or ``retry_timeout`` passes.
+A refusal of the request itself (bad input, a limit, a wrong token) is raised at once, as the
+library's own error class with the service's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+from .. import errors
+from ..errors import InputError, RemoteError, ServiceAuthError, ServiceError
+
+#: how long a lost or refused-for-load request keeps being sent again
+RETRY_TIMEOUT_S = 300.0
+FIRST_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 5.0
+
+
+class Lost(Exception):
+    """The request did not complete for a reason that sending it again can fix."""
+
+    def __init__(self, why: str, retry_after: float | None = None):
+        super().__init__(why)
+        self.retry_after = retry_after
+
+
+class Retry:
+    """The back-off of one request: ``wait(lost)`` sleeps before the next try, or raises once the deadline passed."""
+
+    def __init__(self, what: str, timeout: float = RETRY_TIMEOUT_S):
+        self.what = what
+        self.deadline = time.monotonic() + timeout
+        self.backoff = FIRST_BACKOFF_S
+        self.tries = 0
+
+    def delay(self, lost: Lost) -> float:
+        self.tries += 1
+        delay = lost.retry_after if lost.retry_after is not None else self.backoff
+        self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
+        if time.monotonic() + delay > self.deadline:
+            raise ServiceError(f"{self.what} failed {self.tries} times over {RETRY_TIMEOUT_S:g}s; last: {lost}. "
+                               f"Check the service: interp-engine status") from None
+        return delay
+
+    def wait(self, lost: Lost) -> None:
+        time.sleep(self.delay(lost))
+
+    async def await_(self, lost: Lost) -> None:
+        await asyncio.sleep(self.delay(lost))
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a client learns once about the deployed model."""
+
+    info: Any  # ModelInfo
+    capabilities: Any  # Capabilities
+    dtype: str
+    tokenizer_files: dict[str, bytes]
+    service: dict
+
+
+# -- through Ray --------------------------------------------------------------------------------
+class RayTransport:
+    """Calls on the deployment's replicas through a Serve ``DeploymentHandle`` (any process connected
+    to the cluster); Serve picks the replica and queues the call."""
+
+    kind = "ray"
+
+    def __init__(self, name: str, retry_timeout: float = RETRY_TIMEOUT_S):
+        from ray import serve
+
+        from .status import DEPLOYMENT
+
+        self.name = name
+        self.retry_timeout = retry_timeout
+        self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=name)
+        #: requests sent again after they were lost or refused for load
+        self.resent = 0
+
+    def _lost(self, err: BaseException) -> Lost | None:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+
+        if isinstance(err, BackPressureError):
+            return Lost(f"the service's queue is full ({err})", err.retry_after_s)
+        if isinstance(err, (RayActorError, ActorUnavailableError, ReplicaUnavailableError)):
+            return Lost(f"its replica was lost ({type(err).__name__})")
+        return None
+
+    def call(self, method: str, *args):
+        from ray.exceptions import RayTaskError
+
+        retry = Retry(f"{method} on service {self.name!r}", self.retry_timeout)
+        while True:
+            response = getattr(self.handle, method).remote(*args)
+            try:
+                return response.result()
+            except KeyboardInterrupt:
+                response.cancel()
+                raise
+            except RayTaskError as err:
+                lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
+                if lost is None:
+                    raise errors.user_error(err) from None
+            except Exception as err:
+                lost = self._lost(err)
+                if lost is None:
+                    raise
+            retry.wait(lost)
+            self.resent += 1
+
+    async def acall(self, method: str, *args):
+        from ray.exceptions import RayTaskError
+
+        retry = Retry(f"{method} on service {self.name!r}", self.retry_timeout)
+        while True:
+            response = getattr(self.handle, method).remote(*args)
+            try:
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except RayTaskError as err:
+                lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
+                if lost is None:
+                    raise errors.user_error(err) from None
+            except Exception as err:
+                lost = self._lost(err)
+                if lost is None:
+                    raise
+            await retry.await_(lost)
+            self.resent += 1
+
+    def facts(self) -> Facts:
+        replica = self.call("facts")
+        return Facts(replica.info, replica.capabilities, replica.model_dtype, replica.tokenizer_files,
+                     self.call("describe"))
+
+    def run(self, tokens, points, positions=None, edits=None):
+        return self.call("run", tokens, points, positions, edits)
+
+    def generate(self, tokens, points, options, positions=None, edits=None):
+        return self.call("generate", tokens, points, options, positions, edits)
+
+    async def arun(self, tokens, points, positions=None, edits=None):
+        return await self.acall("run", tokens, points, positions, edits)
+
+    async def agenerate(self, tokens, points, options, positions=None, edits=None):
+        return await self.acall("generate", tokens, points, options, positions, edits)
+
+    def o_proj_weight(self, layer: int):
+        return self.call("o_proj_weight", layer).tensor()
+
+    def unembed_weights(self):
+        from ..unembedding import UnembedWeights
+
+        return UnembedWeights.from_plain(self.call("unembed_weights"))
+
+    def weights_sha256(self) -> str:
+        return self.call("weights_sha256")
+
+    def ping(self) -> int:
+        return self.call("ping")
+
+    def status(self) -> dict:
+        from .status import service_status
+
+        return service_status(self.name)
+
+
+# -- over HTTP ----------------------------------------------------------------------------------
+class HttpTransport:
+    """The HTTP API of :mod:`.http_api` with ``http.client`` (one kept-alive connection per thread)."""
+
+    kind = "http"
+
+    def __init__(self, url: str, token: str, timeout: float = 600.0, retry_timeout: float = RETRY_TIMEOUT_S):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise InputError(f"a service URL looks like http://127.0.0.1:8000/NAME, got {url!r}")
+        self.url = url.rstrip("/")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.base = parts.path.rstrip("/")
+        self.name = self.base.rsplit("/", 1)[-1]
+        self._auth = f"Bearer {token}"
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self._local = threading.local()
+        #: requests sent again after they were lost or refused for load
+        self.resent = 0
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = self._local.connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return connection
+
+    def _once(self, method: str, path: str, body: dict | None):
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": self._auth}
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        connection = self._connection()
+        try:
+            connection.request(method, self.base + path, body=payload, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as err:
+            connection.close()
+            self._local.connection = None
+            raise Lost(f"the connection to {self.url} failed ({type(err).__name__}: {err})") from None
+        return response.status, response.headers, data
+
+    def request(self, method: str, path: str, body: dict | None = None) -> bytes:
+        retry = Retry(f"{method} {self.url}{path}", self.retry_timeout)
+        while True:
+            try:
+                status, headers, data = self._once(method, path, body)
+                return self._answer(status, headers, data, path)
+            except Lost as lost:
+                retry.wait(lost)
+                self.resent += 1
+
+    def _answer(self, status: int, headers, data: bytes, path: str) -> bytes:
+        if status == 200:
+            return data
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            answer = None
+        ours = isinstance(answer, dict) and "error" in answer and "message" in answer
+        if status == 503 or (status in (500, 502, 504) and not ours):
+            after = headers.get("Retry-After")
+            raise Lost(f"HTTP {status} from {self.url}{path}: {data[:200].decode(errors='replace')}",
+                       float(after) if after and after.isdigit() else None)
+        if status in (401, 403):
+            raise ServiceAuthError(answer["message"] if ours else f"HTTP {status} from {self.url}{path}")
+        if status == 404 and not ours:
+            raise ServiceError(f"{self.url}{path} answered 404: no such service or path (is {self.name!r} deployed? "
+                               f"interp-engine status lists the services)")
+        if status == 422 and isinstance(answer, dict) and "detail" in answer:
+            raise InputError(f"the service refused the request's form: {json.dumps(answer['detail'])[:2000]}")
+        if ours:
+            cls = getattr(errors, answer["error"], None)
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                raise cls(answer["message"])
+            raise RemoteError(f"{answer['error']}: {answer['message']}")
+        raise RemoteError(f"HTTP {status} from {self.url}{path}: {data[:500].decode(errors='replace')}")
+
+    def facts(self) -> Facts:
+        import base64
+
+        from ..address import ModelInfo
+        from ..capabilities import Capabilities
+
+        answer = json.loads(self.request("GET", "/info"))
+        model = answer["model"]
+        info = ModelInfo(**{**model, "sites": frozenset(model["sites"]), "moe_layers": tuple(model["moe_layers"])})
+        caps = answer["capabilities"]
+        capabilities = Capabilities(**{**caps, "writable": frozenset(caps["writable"]),
+                                       "unserved": frozenset(caps["unserved"])})
+        files = {k: base64.b64decode(v) for k, v in answer["tokenizer_files"].items()}
+        return Facts(info, capabilities, answer["dtype"], files, answer["service"])
+
+    @staticmethod
+    def _body(tokens, points, positions, edits) -> dict:
+        from ..wire import spec_to_json
+        from .http_wire import edits_to_json
+
+        return {"tokens": tokens.tolist(), "points": list(points), "positions": spec_to_json(positions),
+                "edits": edits_to_json(edits)}
+
+    def run(self, tokens, points, positions=None, edits=None):
+        from .http_wire import decode_capture
+
+        return decode_capture(self.request("POST", "/capture", self._body(tokens, points, positions, edits)))
+
+    def generate(self, tokens, points, options, positions=None, edits=None):
+        from .http_wire import decode_capture
+
+        body = {**self._body(tokens, points, positions, edits), **options}
+        return decode_capture(self.request("POST", "/generate", body))
+
+    async def arun(self, tokens, points, positions=None, edits=None):
+        from .. import cancel
+
+        return await cancel.in_thread(self.run, tokens, points, positions, edits)
+
+    async def agenerate(self, tokens, points, options, positions=None, edits=None):
+        from .. import cancel
+
+        return await cancel.in_thread(self.generate, tokens, points, options, positions, edits)
+
+    def o_proj_weight(self, layer: int):
+        from .http_wire import decode_tensors
+
+        return decode_tensors(self.request("GET", f"/o_proj/{int(layer)}"))[0]["weight"]
+
+    def unembed_weights(self):
+        from ..unembedding import UnembedWeights
+        from .http_wire import decode_tensors
+
+        tensors, metadata = decode_tensors(self.request("GET", "/unembedding"))
+        norm = {k.removeprefix("norm."): v for k, v in tensors.items() if k.startswith("norm.")}
+        return UnembedWeights(json.loads(metadata["config"]), metadata["norm_path"], norm, tensors["weight"])
+
+    def weights_sha256(self) -> str:
+        return json.loads(self.request("GET", "/fingerprint"))["weights_sha256"]
+
+    def ping(self) -> int:
+        return json.loads(self.request("GET", "/ping"))["pid"]
+
+    def status(self) -> dict:
+        return json.loads(self.request("GET", "/status"))

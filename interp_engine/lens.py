@@ -20,7 +20,7 @@ import torch
 
 from .address import Address
 from .analysis_checks import check_width, layer_list
-from .errors import AnalysisError, MissingActivations
+from .errors import MissingActivations
 from .cache import Cache
 from .protocol import HasUnembedding, require
 

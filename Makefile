@@ -41,6 +41,7 @@ bench: $(STAMP) $(PEERS)
 	$(PY) bench/cluster_dataset.py
 	$(PY) bench/positions_vllm.py
 	$(PY) bench/edits_vllm.py
+	$(PY) bench/features.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

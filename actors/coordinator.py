@@ -56,9 +56,9 @@ class CoordinatorCore:
             self.resubmitted += scheduler.resubmitted
             self.rejoined += scheduler.rejoined
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> CaptureReply:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None, saes=None) -> CaptureReply:
         tokens = np.asarray(tokens)
-        shards = self._row_shards(tokens, list(points), positions, edits)
+        shards = self._row_shards(tokens, list(points), positions, edits, saes)
         scheduler = self._scheduler()
         results: dict[int, CaptureReply] = {}
         try:
@@ -68,19 +68,22 @@ class CoordinatorCore:
             self._forget(scheduler)
         return join_captured([results[i] for i in range(len(shards))], tokens, positions is not None)
 
-    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> list[Shard]:
+    def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None,
+                    saes=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
-        specs as given), which every replica resolves per row; an edit's value per row is cut with
-        the piece's rows (:func:`~interp_engine.batching.split_with_edits`)."""
-        return [Shard(i, (rows, points, positions, piece_edits))
+        specs as given), which every replica resolves per row (an edit's value per row cut with the
+        piece's rows: :func:`~interp_engine.batching.split_with_edits`), and the call's dictionaries
+        (``[(key, object ref)]``)."""
+        return [Shard(i, (rows, points, positions, piece_edits, saes))
                 for i, (rows, piece_edits) in enumerate(split_with_edits(tokens, self.batched, len(self.replicas),
                                                                           edits))]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
-                 edits=None) -> GenerationReply:
+                 edits=None, saes=None) -> GenerationReply:
         scheduler = self._scheduler()
         try:
-            for _, generated in scheduler.run("generate", [Shard(0, (tokens, points, options, positions, edits))]):
+            shard = Shard(0, (tokens, points, options, positions, edits, saes))
+            for _, generated in scheduler.run("generate", [shard]):
                 return generated
         finally:
             self._forget(scheduler)
@@ -160,13 +163,13 @@ def coordinator_actor():
 
         # A cancelled request (ray.cancel from the caller) stops scheduling here; Ray passes the
         # cancellation on to the replica calls it made, which stop between decode steps.
-        def run(self, tokens, points, positions=None, edits=None):
+        def run(self, tokens, points, positions=None, edits=None, saes=None):
             with cancel.watching(ray_task_cancelled):
-                return self.core.run(tokens, points, positions, edits)
+                return self.core.run(tokens, points, positions, edits, saes)
 
-        def generate(self, tokens, points, options, positions=None, edits=None):
+        def generate(self, tokens, points, options, positions=None, edits=None, saes=None):
             with cancel.watching(ray_task_cancelled):
-                return self.core.generate(tokens, points, options, positions, edits)
+                return self.core.generate(tokens, points, options, positions, edits, saes)
 
         def build(self, build_id, spec, source, skip):
             return self.core.build(build_id, spec, source, skip)

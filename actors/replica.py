@@ -23,7 +23,8 @@ from interp_engine.dataset.writer import MAX_WRITERS, ShardWriter
 from interp_engine.model import CaptureModel
 from interp_engine.request import Points
 
-from interp_engine.wire import CaptureReply, GenerationReply, Packed, edits_from_replica, pack_dict
+from interp_engine.wire import (CaptureReply, GenerationReply, Packed, dictionary_from_replica, edits_from_replica,
+                                pack_dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,27 +88,46 @@ class ReplicaCore:
     def weights_sha256(self) -> str:
         return self.model.facts()["weights_sha256"]
 
-    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None) -> CaptureReply:
+    def run(self, tokens: np.ndarray, points: list[str], positions=None, edits=None, saes=None) -> CaptureReply:
         """Capture a padded batch (split per prompt where the backend takes one at a time).
         ``positions`` (a positions spec) is applied by the model here, so only the selected rows
-        are ever returned. ``edits``: plain data (:func:`interp_engine.wire.edits_for_replica`)."""
+        are ever returned. ``edits``: plain data (:func:`interp_engine.wire.edits_for_replica`).
+        ``saes``: the call's dictionaries as ``[(key, data or object ref)]``; their features are
+        encoded here and travel back sparse."""
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         with cancel.watching(self.stop_check):
-            cache = run_padded(self.model, batch, Points.trusted(points), positions, edits_from_replica(edits))
+            cache = run_padded(self.model, batch, Points.trusted(points), positions, edits_from_replica(edits),
+                               saes=self._saes(saes))
         captured = CaptureReply(pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += captured.nbytes
         return captured
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
-                 edits=None) -> GenerationReply:
+                 edits=None, saes=None) -> GenerationReply:
         batch = torch.from_numpy(np.array(tokens, dtype=np.int64))
         with cancel.watching(self.stop_check):
-            completion, cache = self.model.capture_generation(batch, Points.trusted(points),
-                                                              positions=positions, edits=edits_from_replica(edits), **options)
+            completion, cache = self.model.capture_generation(batch, Points.trusted(points), positions=positions,
+                                                              edits=edits_from_replica(edits), saes=self._saes(saes),
+                                                              **options)
         generated = GenerationReply(completion.text, list(completion.token_ids), completion.finish_reason,
                               pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
         self.bytes_returned += generated.nbytes
         return generated
+
+    def _saes(self, saes) -> list | None:
+        """The dictionaries ``[(key, data or object ref)]`` names, each fetched and rebuilt once
+        per replica and kept by key."""
+        if not saes:
+            return None
+        held = self.__dict__.setdefault("_dictionaries", {})
+        for key, data in saes:
+            if key not in held:
+                if not isinstance(data, dict):  # an object ref the cluster model put
+                    import ray
+
+                    data = ray.get(data)
+                held[key] = dictionary_from_replica(data)
+        return [held[key] for key, _ in saes]
 
     def returned_bytes(self) -> int:
         """Bytes of activations returned so far (for the transfer tests and the benchmark)."""

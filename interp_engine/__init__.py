@@ -7,6 +7,7 @@ either with the same calls.
 
 from .address import SITES as SITES
 from .address import Address as Address
+from .address import FeatureAddress as FeatureAddress
 from .address import ModelInfo as ModelInfo
 from .address import format_address as format_address
 from .address import parse_address as parse_address
@@ -25,7 +26,12 @@ from .edits import Set as Set
 from .edits import Zero as Zero
 from .dataset.build import ActivationDataset as ActivationDataset
 from .dataset.build import build_dataset as build_dataset
+from .dataset.dashboard import feature_dashboard as feature_dashboard
 from .dataset.export import export_saelens as export_saelens
+from .features import Dictionary as Dictionary
+from .features import ce_loss_recovered as ce_loss_recovered
+from .features import load_dictionary as load_dictionary
+from .features import save_dictionary as save_dictionary
 from .lens import LensTop as LensTop
 from .lens import lens_top as lens_top
 from .lens import logit_lens as logit_lens
@@ -58,6 +64,7 @@ from .errors import DatasetExistsError as DatasetExistsError
 from .errors import DatasetForeignFilesWarning as DatasetForeignFilesWarning
 from .errors import DatasetLeaseWarning as DatasetLeaseWarning
 from .errors import DatasetRepairWarning as DatasetRepairWarning
+from .errors import DictionaryError as DictionaryError
 from .errors import EngineMemoryError as EngineMemoryError
 from .errors import EngineStopped as EngineStopped
 from .errors import InputError as InputError

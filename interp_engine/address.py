@@ -64,10 +64,65 @@ class Address:
         return SITES[self.name].position_axes[0]
 
 
-AddressLike = Union[Address, str, tuple]
+#: what a dictionary attached to a call makes addressable at a site (see interp_engine.features)
+FEATURE_KINDS = ("features", "sae_error")
 
 
-def format_address(address: Address, style: str = "ours") -> str:
+@dataclasses.dataclass(frozen=True)
+class FeatureAddress:
+    """A point a sparse dictionary adds at a site: its feature activations where it reads
+    (``"resid_post.3.features"``; a subset of feature ids: ``"resid_post.3.features[5,17]"``,
+    ids sorted, each once) or its error term where it writes (``"mlp_out.3.sae_error"``: the
+    activation minus the dictionary's reconstruction). Only a call that attaches a dictionary
+    there (``saes=``) serves it."""
+
+    site: Address
+    kind: str = "features"
+    ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.site, Address) or self.site.layer is None:
+            raise AddressError(f"a feature point sits at a layer's address such as Address('resid_post', 3), "
+                               f"got {self.site!r}")
+        if self.kind not in FEATURE_KINDS:
+            raise AddressError(f"unknown feature point {self.kind!r}; known: {', '.join(FEATURE_KINDS)}")
+        if self.ids is not None:
+            ids = [self.ids] if isinstance(self.ids, int) and not isinstance(self.ids, bool) else self.ids
+            if self.kind != "features":
+                raise AddressError(f"{self.kind!r} takes no feature ids; only 'features[...]' selects some")
+            try:
+                ids = list(ids)
+            except TypeError:
+                ids = [ids]
+            bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0]
+            if not ids or bad:
+                raise AddressError(f"feature ids must be a non-empty list of non-negative ints, got {self.ids!r}")
+            object.__setattr__(self, "ids", tuple(sorted({int(i) for i in ids})))
+
+    def __str__(self) -> str:
+        return format_address(self)
+
+    # what code written for an Address reads: where the point sits, and its axes
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    @property
+    def layer(self) -> int:
+        return self.site.layer
+
+    @property
+    def stream(self) -> int | None:
+        return self.site.stream
+
+    position_axes = (1,)
+    query_axis = 1
+
+
+AddressLike = Union[Address, FeatureAddress, str, tuple]
+
+
+def format_address(address: Address | FeatureAddress, style: str = "ours") -> str:
     """``Address("z", 7)`` -> ``"z.7"``; the inverse of :func:`parse_address`.
     ``style="tl"``: the TransformerLens hook name, ``"blocks.7.attn.hook_z"`` (see :mod:`.tl_names`)."""
     if style == "tl":
@@ -77,6 +132,9 @@ def format_address(address: Address, style: str = "ours") -> str:
     if style != "ours":
         raise AddressError(f"format_address: style must be 'ours' ('z.7') or 'tl' ('blocks.7.attn.hook_z'), "
                            f"got {style!r}")
+    if isinstance(address, FeatureAddress):
+        ids = "" if address.ids is None else f"[{','.join(map(str, address.ids))}]"
+        return f"{format_address(address.site)}.{address.kind}{ids}"
     parts = [address.name]
     parts += [str(x) for x in (address.layer, address.stream) if x is not None]
     return ".".join(parts)
@@ -88,6 +146,9 @@ def parse_address(text: str) -> Address:
     (:func:`.tl_names.from_tl_name`)."""
     if not isinstance(text, str):
         raise AddressError(f"parse_address takes a string like 'resid_post.10', got {type(text).__name__}")
+    site, _, last = text.strip().rpartition(".")
+    if site and last.split("[")[0] in FEATURE_KINDS:
+        return _parse_feature(text, parse_address(site), last)
     if is_tl_name(text.strip()):
         return Address(*from_tl_name(text))
     name, *coords = text.strip().split(".")
@@ -103,9 +164,23 @@ def parse_address(text: str) -> Address:
     return Address(name, *numbers)
 
 
-def to_address(point: AddressLike) -> Address:
+def _parse_feature(text: str, site: Address, last: str) -> FeatureAddress:
+    """``"features[5,17]"`` / ``"sae_error"`` after a site's address."""
+    kind, bracket, rest = last.partition("[")
+    if not bracket:
+        return FeatureAddress(site, kind)
+    try:
+        if not rest.endswith("]"):
+            raise ValueError
+        ids = [int(i) for i in rest[:-1].split(",")]
+    except ValueError:
+        raise AddressError(f"cannot parse {text!r}: feature ids are written {kind}[5,17] (ints, no spaces needed)") from None
+    return FeatureAddress(site, kind, tuple(ids))
+
+
+def to_address(point: AddressLike) -> Address | FeatureAddress:
     """Accept an Address, its string form, or a tuple ``(name, layer[, stream])``."""
-    if isinstance(point, Address):
+    if isinstance(point, (Address, FeatureAddress)):
         return point
     if isinstance(point, str):
         return parse_address(point)
@@ -163,7 +238,10 @@ def valid_sites(info: ModelInfo, caps: Capabilities) -> list[str]:
 def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None:
     """Raise an :class:`AddressError` that lists the valid options unless this model serves
     ``address`` on the backend whose capabilities are ``caps`` (``caps.unserved``: the sites it
-    cannot read exactly)."""
+    cannot read exactly). A feature point is checked at its site (whether a dictionary serves it
+    is the call's to say: ``saes=``)."""
+    if isinstance(address, FeatureAddress):
+        return check_address(address.site, info, caps)
     site = SITES[address.name]
     backend = caps.name
     if site.moe and not info.is_moe:
@@ -229,6 +307,9 @@ def from_the_end(address: Address, info: ModelInfo) -> Address:
     capture's points, an edit's address, a cache lookup — addresses are normalised here, so what
     a cache holds and what crosses to workers and replicas always carries the real layer. A
     layer that is still negative is left for :func:`check_address` to refuse, naming the range."""
+    if isinstance(address, FeatureAddress):  # a dictionary's point: its site counts from the end
+        site = from_the_end(address.site, info)
+        return address if site is address.site else dataclasses.replace(address, site=site)
     layer, stream = address.layer, address.stream
     if layer is not None and layer < 0 and layer + info.n_layers >= 0:
         layer += info.n_layers
@@ -271,7 +352,7 @@ def all_points(info: ModelInfo, caps: Capabilities, site: str | None = None) -> 
 def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
     """One user point as addresses: a whole site (``"resid_post"``, ``"resid_streams.5"``) and a
     filter (a callable on Address) expand, in forward order; anything else is one address."""
-    if callable(point) and not isinstance(point, (Address, str, tuple)):
+    if callable(point) and not isinstance(point, (Address, FeatureAddress, str, tuple)):
         found = [a for a in all_points(info, caps) if point(a)]
         if not found:
             raise AddressError(
@@ -315,7 +396,7 @@ def check_points(points, info: ModelInfo, caps: Capabilities) -> list[Address]:
     on every backend. Duplicates are dropped (the first occurrence keeps its place): asking twice
     for a point captures it once.
     """
-    if isinstance(points, (str, Address)) or callable(points) or _one_tuple(points):
+    if isinstance(points, (str, Address, FeatureAddress)) or callable(points) or _one_tuple(points):
         points = [points]
     if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
         raise AddressError(

@@ -81,16 +81,18 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Address], positions=None,
-               edits=None) -> Cache:
+               edits=None, saes=None) -> Cache:
     """``model.run_with_cache`` on a padded batch; where the model takes one prompt per call,
     every row at its true length, all in flight at once (``model.run_many``: the vLLM engine
     batches them as ``LLM.generate`` does). The result is the padded batch a batched model would
     return. ``positions`` is a positions spec: each row resolves it against its own length, as a
-    batched model does; so are the positions of ``edits``."""
+    batched model does; so are the positions of ``edits``. ``saes``: dictionaries attached to the
+    call (only passed on where given)."""
+    more = {} if saes is None else {"saes": saes}
     if model.batched or tokens.shape[0] == 1 and bool((tokens >= 0).all()):
-        return model.run_with_cache(tokens, addresses, positions=positions, edits=edits)
+        return model.run_with_cache(tokens, addresses, positions=positions, edits=edits, **more)
     rows = unpad(tokens)
-    caches = model.run_many(rows, addresses, positions=positions, edits=edits_by_row(model, tokens, edits))
+    caches = model.run_many(rows, addresses, positions=positions, edits=edits_by_row(model, tokens, edits), **more)
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)
     return Cache(joined, padded, None, model.name, model.backend, held)

@@ -38,6 +38,8 @@ class Capabilities:
     takes_device: bool = True
     #: sites this model cannot read exactly (they get a clear error instead)
     unserved: frozenset[str] = frozenset()
+    #: sparse dictionaries (``saes=``) run where this backend makes the activations
+    features: bool = False
     #: ``(site, why)`` for unserved sites whose refusal has a reason to give
     reasons: tuple[tuple[str, str], ...] = ()
 

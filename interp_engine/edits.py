@@ -317,10 +317,22 @@ def edit_chain(chain: tuple[Planned, ...], tensor: torch.Tensor, start: int = 0)
     return tensor
 
 
+class Transform:
+    """An edit the engine builds itself rather than a user's value: a function of one forward's
+    whole ``[batch, pos, ...]`` activation and the position its first row is (a dictionary's
+    feature-space edits, :mod:`interp_engine.features.run`). Planned like any edit, it runs on
+    every backend that runs the engine's code where the activation is produced."""
+
+    def edit_at(self, tensor: torch.Tensor, start: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
 def edit_activation(planned: Planned, tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
     """The edited ``[batch, pos, ...]`` activation at ``planned.address`` of one forward whose
     first row is position ``start`` (a KV-cached decode step starts later); a new tensor."""
     edit = planned.edit
+    if isinstance(edit, Transform):
+        return edit.edit_at(tensor, start)
     if not isinstance(edit, EDITS):
         out = edit(tensor, planned.address)
         if out is None:  # a function that only reads (as a TransformerLens hook may) changes nothing

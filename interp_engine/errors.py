@@ -54,6 +54,11 @@ class CacheFileError(InputError):
     (the message names the file and what is wrong with it)."""
 
 
+class DictionaryError(InputError):
+    """A sparse dictionary (an SAE or transcoder: its files, config or tensors) the engine cannot
+    run, or one that does not fit the model it is attached to; the message says what would fix it."""
+
+
 class Cancelled(RuntimeError):
     """The caller of this capture cancelled it; the work stopped before it finished."""
 

@@ -17,6 +17,8 @@ from .address import Address, AddressLike, ModelInfo, all_points
 from .cache import Cache
 from .capabilities import Capabilities
 from .edits import Planned, check_edits
+from .errors import InputError
+from .features.plan import plan_features, split_edits
 from .generation import Completion as Completion
 from .generation import Sampling as Sampling
 from .positions import Selection, check_spec, resolve
@@ -190,15 +192,33 @@ class CaptureModel:
         return check_edits(edits, self.info, self.capabilities, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
 
+    def _features(self, addresses: list, edits, saes, tokens: torch.Tensor, options: Sampling | None):
+        """The plain addresses and edits of a call, and the plan of its feature points and feature
+        edits with the dictionaries ``saes`` (None when it has no feature work; see
+        :mod:`interp_engine.features`)."""
+        plain_edits, feature_edits = split_edits(edits)
+        caps = self.capabilities
+        addresses, plan = plan_features(addresses, feature_edits, saes, self.info, tokens,
+                                        writable=frozenset(caps.writable - caps.unserved),
+                                        generating=options is not None,
+                                        max_tokens=options.max_tokens if options else None)
+        if plan is not None and not caps.features:
+            raise InputError(f"dictionaries (saes=) do not run on the {self.backend} backend yet; load the model with "
+                             f"backend='eager'")
+        return addresses, plain_edits, plan
+
     def request(self, tokens, points, *, positions=None, edits=None, options: Sampling | None = None,
-                detach: bool = True, single: bool | None = None, call: str = "run_with_cache") -> Request:
-        """Everything a call asks for, checked against this model once (see :mod:`.request`)."""
+                detach: bool = True, single: bool | None = None, call: str = "run_with_cache",
+                saes=None) -> Request:
+        """Everything a call asks for, checked against this model once (see :mod:`.request`).
+        ``saes``: the dictionaries whose feature points and edits the call may use."""
         if options is None:
             tokens, addresses = self.check(tokens, points, single=single, call=call)
         else:
             tokens, addresses = self._check_generation(tokens, points, options, call)
+        addresses, edits, features = self._features(addresses, edits, saes, tokens, options)
         return Request(tokens, Points(addresses), self._selection(tokens, positions, options),
-                       self._edits(edits, tokens, options), options, detach)
+                       self._edits(edits, tokens, options), options, detach, features)
 
     def execute(self, request: Request):
         """Run a checked request: a :class:`Cache`, or ``(completion, cache)`` when it generates."""
@@ -212,33 +232,35 @@ class CaptureModel:
         return result
 
     # -- the calls ------------------------------------------------------------------------------
-    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None) -> Cache:
-        return self.execute(self.request(tokens, points, positions=positions, edits=edits, detach=detach))
+    def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None,
+                       saes=None) -> Cache:
+        return self.execute(self.request(tokens, points, positions=positions, edits=edits, detach=detach, saes=saes))
 
-    def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None) -> list[Cache]:
+    def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None, saes=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
         batches requests itself (vLLM) keeps them all in flight at once; this default runs them
         one after another (the points checked once for all rows). ``edits``: the same for every row,
         or a list of each row's own."""
         points = self.check_points(points)
         each = edits if isinstance(edits, list) else [edits] * len(rows)
-        return [self.run_with_cache(row, points, positions=positions, edits=e) for row, e in zip(rows, each)]
+        return [self.run_with_cache(row, points, positions=positions, edits=e, saes=saes) for row, e in zip(rows, each)]
 
-    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None,
+    def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None, saes=None,
                            **sampling) -> tuple[Completion, Cache]:
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         return self.execute(self.request(tokens, points, positions=positions, edits=edits, options=options,
-                                         call="capture_generation"))
+                                         call="capture_generation", saes=saes))
 
     async def capture_generation_async(self, tokens, points, *, max_tokens: int = 16, positions=None,
-                                       edits=None, **sampling) -> tuple[Completion, Cache]:
+                                       edits=None, saes=None, **sampling) -> tuple[Completion, Cache]:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
         return self._stamped(await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
-                                                                    options=options, call="capture_generation_async")))
+                                                                    options=options, call="capture_generation_async",
+                                                                    saes=saes)))
 
-    async def capture(self, tokens, points, *, positions=None, edits=None,
+    async def capture(self, tokens, points, *, positions=None, edits=None, saes=None,
                       **sampling) -> dict[Address, torch.Tensor]:
         """Async capture of one prompt: a plain dict keyed by Address (a string is a KeyError).
 
@@ -249,7 +271,8 @@ class CaptureModel:
         """
         options = Sampling.from_options(sampling) if sampling else None
         result = await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
-                                                        options=options, single=True, call="await model.capture(...)"))
+                                                        options=options, single=True, call="await model.capture(...)",
+                                                        saes=saes))
         return (result if options is None else result[1]).to_dict()
 
     def close(self) -> None:
@@ -276,7 +299,7 @@ class CaptureModel:
 
 
 def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, detach: bool = True,
-                   positions=None, edits=None) -> Cache:
+                   positions=None, edits=None, saes=None) -> Cache:
     """Run ``tokens`` through ``model`` and return the activations at ``points`` as a Cache.
 
     ``points`` holds Addresses, their string forms (``"resid_post.10"``), tuples, whole sites
@@ -284,12 +307,15 @@ def run_with_cache(model: CaptureModel, tokens, points: list[AddressLike], *, de
     keeps only some positions (``-1``: each row's last token; see :mod:`.positions`). With
     ``detach=False`` (eager, ``load_model(..., requires_grad=True)``) the tensors keep their graph.
     ``edits`` writes to activations on the way (``{"resid_post.3": Add(vector)}``; see :mod:`.edits`).
+    ``saes`` attaches sparse dictionaries to this call: their feature points
+    (``"resid_post.3.features"``, ``"resid_post.3.sae_error"``) may then be captured and edited
+    (see :mod:`interp_engine.features`).
     """
-    return model.run_with_cache(tokens, points, detach=detach, positions=positions, edits=edits)
+    return model.run_with_cache(tokens, points, detach=detach, positions=positions, edits=edits, saes=saes)
 
 
 def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int = 16, positions=None,
-                       edits=None, **sampling: Any):
+                       edits=None, saes=None, **sampling: Any):
     """Generate from one prompt and capture ``points`` at every prompt and generated position.
 
     Returns ``(completion, cache)``. The cache has ``len(prompt) + len(generated) - 1``
@@ -298,4 +324,4 @@ def capture_generation(model: CaptureModel, tokens, points, *, max_tokens: int =
     ``edits`` applies at every forward of the generation (prefill and each decode step).
     """
     return model.capture_generation(tokens, points, max_tokens=max_tokens, positions=positions, edits=edits,
-                                    **sampling)
+                                    saes=saes, **sampling)

@@ -60,6 +60,9 @@ class Request:
     edits: dict[Address, tuple[Planned, ...]] | None = None
     options: Sampling | None = None
     detach: bool = True
+    #: the call's dictionaries with their feature points and edits (a features.plan.FeaturePlan;
+    #: None: no feature work). Its points are not in ``points``: the dictionaries record them.
+    features: object = None
 
     @property
     def generating(self) -> bool:

@@ -82,9 +82,9 @@ class BuildConfig(BaseModel):
                     torch_threads=self.torch_threads, env_vars=self.env_vars or None, **options)
 
 
-def load_config(source: str | Path | dict) -> BuildConfig:
-    """Read and validate a config (a YAML/JSON path or a dict); :class:`ConfigError` lists every
-    bad field. A file that cannot be read, does not parse, repeats a key in one mapping, nests
+def load_config(source: str | Path | dict, schema: type[BaseModel] = BuildConfig):
+    """Read and validate a config (a YAML/JSON path or a dict) against ``schema`` (a build's by
+    default); :class:`ConfigError` lists every bad field. A file that cannot be read, does not parse, repeats a key in one mapping, nests
     deeper than Python can follow, or carries a YAML tag that builds an object is refused too."""
     label = "config"
     if not isinstance(source, dict):
@@ -97,7 +97,7 @@ def load_config(source: str | Path | dict) -> BuildConfig:
             data["prompts"] = str(path.parent / data["prompts"])  # read beside the config, wherever it runs
         source = data
     try:
-        return BuildConfig.model_validate(source)
+        return schema.model_validate(source)
     except ValidationError as err:
         lines = [f"  {_where(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
                  + (f" (got {e['input']!r:.80})" if _show(e) else "")

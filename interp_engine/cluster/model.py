@@ -21,7 +21,7 @@ from ..address import Address
 from ..cache import Cache
 from ..errors import ClusterError, InputError, ShardFailed, user_error
 from ..dtypes import dtype_name
-from ..wire import edits_for_replica, unpack_dict
+from ..wire import dictionary_for_replica, edits_for_replica, unpack_dict
 from ..capabilities import backend_class
 from ..model import CaptureModel, Completion
 from ..request import Request
@@ -128,6 +128,9 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         self.info = first.info
         # the replicas' backend, except that the coordinator splits a batch over them
         self.capabilities = dataclasses.replace(first.capabilities, batched=True)
+        #: each dictionary's plain data in the object store, by content key (put once, replicas
+        #: fetch it the first time a request names it)
+        self._dictionaries: dict[str, object] = {}
         self.dtype = first.model_dtype
         self.tok = Tokenizer(_tokenizer(first.tokenizer_files))
         self.replica_facts = list(facts)
@@ -206,11 +209,29 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         if not r.detach:
             raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        points, edits = self._points(list(r.points)), edits_for_replica(r.edits)
+        points, edits = self._points(list(r.points)), r.edits
+        saes = None
+        if r.features is not None:  # feature points and edits travel as points and edits, the dictionaries by key
+            points += self._points(list(r.features.points))
+            edits = {**(edits or {}), **r.features.edit_map()}
+            saes = self._ship(r.features)
+        edits = edits_for_replica(edits)
         if r.options is None:
-            return self._coordinator.run.remote(r.tokens.numpy(), points, _spec(r.positions), edits)
+            return self._coordinator.run.remote(r.tokens.numpy(), points, _spec(r.positions), edits, saes)
         return self._coordinator.generate.remote(r.tokens.numpy(), points, dataclasses.asdict(r.options),
-                                                 _spec(r.positions), edits)
+                                                 _spec(r.positions), edits, saes)
+
+    def _ship(self, plan) -> list:
+        """``[(key, object ref)]`` of the call's dictionaries, each put in the object store once."""
+        import ray
+
+        out = []
+        for attached in plan.attached:
+            d = attached.dictionary
+            if d.key not in self._dictionaries:
+                self._dictionaries[d.key] = ray.put(dictionary_for_replica(d))
+            out.append((d.key, self._dictionaries[d.key]))
+        return out
 
     def _result(self, reply, r: Request):
         if r.options is None:

@@ -34,6 +34,7 @@ from ..positions import check_prompt, check_spec, resolve_row, width_bound
 from ..wire import spec_to_json
 from ..protocol import WritesShards
 from ..errors import InputError, InternalError
+from ..features.plan import describe, check_saes
 
 _SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
 
@@ -56,6 +57,7 @@ def build_dataset(
     seed: int = 0,
     writers: int = 1,
     batch_tokens: int = BATCH_TOKENS,
+    saes=None,
 ) -> ActivationDataset:
     """Capture ``points`` for every prompt and write them under ``output`` as Parquet.
 
@@ -73,8 +75,11 @@ def build_dataset(
     capture of the next (raise it when one writer cannot keep up with the model, e.g. a GPU or a
     slow upload; see :mod:`.writer`). ``batch_tokens``: a batched (eager) model captures
     a shard in padded batches of similar lengths of at most this many padded tokens (a vLLM
-    model gets every prompt in flight at once; see :func:`~.batching.plan_batches`). Every
-    argument is checked, the prompts read once and the destination probed before any capture
+    model gets every prompt in flight at once; see :func:`~.batching.plan_batches`). ``saes``:
+    dictionaries whose feature points ``points`` may name (``"resid_post.3.features"`` is stored
+    sparse: a list of active feature ids and one of values per token; a subset
+    ``features[5,17]`` and ``sae_error`` are dense columns; see :mod:`interp_engine.features`),
+    encoded where the model makes the activations. Every argument is checked, the prompts read once and the destination probed before any capture
     starts.
     """
     from ..version import VERSION as __version__
@@ -96,6 +101,7 @@ def build_dataset(
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")
     addresses = Points.check(points, model.info, model.capabilities)  # once: shards trust them
+    dictionaries = check_saes(model, addresses, saes)
     wide = [a for a in addresses if len(a.position_axes) > 1]
     if layout == "token" and wide:
         raise InputError(f"{wide[0].name!r} is [heads, q_pos, k_pos] and has no per-token row; use layout='sequence'")
@@ -121,6 +127,7 @@ def build_dataset(
         "tokenizer_sha256": tokenizer_fingerprint(model.tok.hf),
         "package_version": __version__,
         "points": [format_address(a) for a in addresses],
+        **({"saes": describe(dictionaries)} if dictionaries else {}),
         "layout": layout,
         "dtype": stored,
         "prompts_sha256": scan.sha256,
@@ -137,13 +144,15 @@ def build_dataset(
     lease = Lease.acquire(store)  # one build at a time in this folder (see dataset_lease)
     try:
         return _build(model, store, source, scan, identity, selection, lease, overwrite=overwrite,
-                      progress=progress, started=started, writers=writers, batch_tokens=batch_tokens)
+                      progress=progress, started=started, writers=writers, batch_tokens=batch_tokens,
+                      saes=dictionaries)
     finally:
         lease.release()
 
 
 def _build(model, store: Store, source: PromptSource, scan, identity: dict, selection, lease: Lease, *,
-           overwrite: bool, progress: bool, started: float, writers: int, batch_tokens: int) -> ActivationDataset:
+           overwrite: bool, progress: bool, started: float, writers: int, batch_tokens: int,
+           saes: tuple = ()) -> ActivationDataset:
     """The build proper, with the folder's lease held: clean up, check what a resume keeps,
     capture the missing shards, and record each in the manifest."""
     n_shards, shard_size, layout, stored = identity["n_shards"], identity["shard_size"], identity["layout"], identity["dtype"]
@@ -152,7 +161,7 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
                      identity_json(identity), positions=selection,
                      held=width_bound(selection, scan.max_length) if selection is not None else 0,
                      n_prompts=scan.count, shuffle_seed=identity["shuffle_seed"], batch_tokens=batch_tokens,
-                     writers=writers)
+                     writers=writers, saes=saes)
     shard_tokens = _shard_tokens(scan, spec)
     expected = {i: Expected(_shard_rows(shard_tokens, scan, spec, i), spec.metadata) for i in present}
     good, repaired = verify_existing(store, present, sizes, records, expected)

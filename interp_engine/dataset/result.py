@@ -9,13 +9,16 @@ SAELens's cached-activation layout), each in a module of its own.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..address import format_address
 from .integrity import verify_dataset
-from ..errors import DatasetCorruptError
+from ..errors import DatasetCorruptError, InputError
+from .columns import SHAPE_KEY
 from .manifest import MANIFEST, read_manifest
 from .shard import read_tensor, shard_name
 from .store import Store
@@ -120,8 +123,30 @@ class ActivationDataset:
         return export_saelens(self, out_dir, point_name(point), context_size, **options)
 
     def tensor(self, point) -> "object":
-        """One point's column as a torch tensor ``[rows, ...]`` in its stored dtype."""
-        return read_tensor(self.to_arrow(), format_address(point) if not isinstance(point, str) else point)
+        """One point's column as a torch tensor ``[rows, ...]`` in its stored dtype (a
+        dictionary's sparse features densified: ``[rows, (max_length,) d_sae]``)."""
+        name = point_name(point)
+        table = self.to_arrow()
+        if f"{name}.ids" not in table.column_names:
+            return read_tensor(table, name)
+        ids = table.schema.field(f"{name}.ids")
+        lead = (table.num_rows, ids.type.list_size) if pa.types.is_fixed_size_list(ids.type) else (table.num_rows,)
+        return self.sparse(point, table).dense(lead)
+
+    def sparse(self, point, table=None):
+        """A dictionary's features stored sparse (``"resid_post.3.features"``) as
+        :class:`~interp_engine.features.sparse.SparseRows`, one row per stored position."""
+        from ..features.sparse import read_sparse
+
+        name = point_name(point)
+        table = self.to_arrow() if table is None else table
+        if f"{name}.ids" not in table.column_names:
+            sparse = [c[:-4] for c in table.column_names if c.endswith(".ids")]
+            raise InputError(f"{name!r} is not stored sparse in this dataset; sparse feature points here: "
+                             f"{', '.join(sparse) or 'none'}")
+        field = table.schema.field(f"{name}.ids")
+        width = json.loads(field.metadata[SHAPE_KEY])[0]
+        return read_sparse(table.column(f"{name}.ids"), table.column(f"{name}.values"), width)
 
     def summary(self) -> str:
         """One line: what the dataset holds, and how fast this build wrote what it wrote (a resumed

@@ -49,6 +49,8 @@ from ..address import parse_address
 from ..address import Address
 from ..batching import join_rows, pad_positions, pad_tokens, plan_batches, run_padded
 from ..cache import Cache
+from ..features.plan import sparse_point
+from ..features.sparse import SparseRows, per_prompt
 from ..request import Points
 from .columns import DTYPES, column_shape, read_tensor  # noqa: F401  (re-exported)
 from .columns import IDENTITY_KEY, INDEX_KEY, encode, field_metadata, nested, write_bytes
@@ -82,6 +84,7 @@ class ShardSpec:
     shuffle_seed: int | None = None  # build-time shuffle (see :func:`prompt_order`)
     batch_tokens: int = BATCH_TOKENS  # padded tokens per forward of a batched model (plan_batches)
     writers: int = 1  # shards encoded, hashed and written at once beside the capture (dataset_writer)
+    saes: tuple = ()  # dictionaries of the feature points (interp_engine.features)
 
     def order(self) -> "np.ndarray | None":
         """Which prompt goes where: ``None`` for prompt order, else a fixed permutation."""
@@ -142,23 +145,25 @@ def capture_shard(model, spec: ShardSpec, index: int, texts: list[str]) -> Captu
     start = time.perf_counter()
     rows = [model.tok.encode(t) for t in texts]
     tokens = pad_batch(rows)
-    cache = _run_batches(model, tokens, Points.trusted(spec.points), spec.positions, spec.batch_tokens)
+    cache = _run_batches(model, tokens, Points.trusted(spec.points), spec.positions, spec.batch_tokens,
+                         spec.saes or None)
     ids = torch.from_numpy(spec.prompt_ids(index, len(rows)).copy())
     return Captured(index, tokens, cache, ids, time.perf_counter() - start)
 
 
-def _run_batches(model, tokens: torch.Tensor, addresses: list[Address], positions, batch_tokens: int) -> Cache:
+def _run_batches(model, tokens: torch.Tensor, addresses: list[Address], positions, batch_tokens: int,
+                 saes=None) -> Cache:
     """The padded batch ``tokens`` captured in the batches :func:`plan_batches` cuts it into (a
     batched model; one batch is the whole batch as given, and a one-prompt model runs all rows in
     flight at once), joined back in the rows' order at the input's width."""
     lengths = (tokens >= 0).sum(dim=1).tolist()
     plan = plan_batches(lengths, batch_tokens) if model.batched else [list(range(len(lengths)))]
     if len(plan) == 1:
-        return run_padded(model, tokens, addresses, positions)
+        return run_padded(model, tokens, addresses, positions, saes=saes)
     caches, parts = [], []
     for batch in plan:
         part = tokens[batch, :max(lengths[i] for i in batch)]
-        caches.append(run_padded(model, part, addresses, positions))
+        caches.append(run_padded(model, part, addresses, positions, saes=saes))
         parts.append(part)
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], parts, tokens.shape[1], held)
@@ -183,6 +188,21 @@ def shard_table(spec: ShardSpec, captured: Captured) -> tuple[pa.Table, int]:
         array, dtype = encode(tensor, spec.dtype)
         add(name, nested(array), field_metadata(name, dtype, array.shape[1:]))
 
+    def add_point(address, tensor, per_row: int | None = None):
+        """A point's column: dense, or a dictionary's features as id and value lists per token
+        (``per_row``: positions per row, the sequence layout)."""
+        if not sparse_point(address):
+            add_tensor(str(address), tensor)
+            return
+        rows = SparseRows.of(tensor)
+        values, dtype = encode(rows.values, spec.dtype)
+        ids, vals = rows.arrow(values)
+        if per_row is not None:
+            ids, vals = per_prompt(ids, per_row), per_prompt(vals, per_row)
+        meta = field_metadata(str(address), dtype, (rows.width,))
+        add(f"{address}.ids", ids, meta)
+        add(f"{address}.values", vals, meta)
+
     if spec.layout == "sequence":
         add("prompt_index", pa.array(ids.numpy()))
         add("length", pa.array(lengths.numpy().astype(np.int32)))
@@ -192,7 +212,8 @@ def shard_table(spec: ShardSpec, captured: Captured) -> tuple[pa.Table, int]:
             add("positions", nested(torch.nn.functional.pad(
                 cache.positions, (0, held - cache.positions.shape[1]), value=-1).numpy().astype(np.int32)))
         for address in addresses:
-            add_tensor(str(address), pad_positions(cache[address], address, spec.max_length, held))
+            padded = pad_positions(cache[address], address, spec.max_length, held)
+            add_point(address, padded, padded.shape[1])
     else:
         mask = cache.mask
         b_idx, p_idx = mask.nonzero(as_tuple=True)  # p_idx: the column of the cache
@@ -205,7 +226,7 @@ def shard_table(spec: ShardSpec, captured: Captured) -> tuple[pa.Table, int]:
         add("position", pa.array(at.numpy().astype(np.int32)))
         add("token", pa.array(tokens[b_idx, at].numpy().astype(np.int32)))
         for address in addresses:
-            add_tensor(str(address), cache[address][b_idx, p_idx])
+            add_point(address, cache[address][b_idx, p_idx])
     schema = pa.schema(fields, metadata={IDENTITY_KEY: spec.metadata.encode(), INDEX_KEY: str(index).encode()})
     return pa.Table.from_arrays(list(columns.values()), schema=schema), int(lengths.sum())
 

@@ -39,7 +39,8 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         self.transport = transport
         facts = transport.facts()
         self.info = facts.info
-        self.capabilities = dataclasses.replace(facts.capabilities, batched=True)
+        # the service does not carry dictionaries to its replicas yet: saes= is refused with the fix
+        self.capabilities = dataclasses.replace(facts.capabilities, batched=True, features=False)
         self._replica_batched = facts.capabilities.batched
         self.dtype = facts.dtype
         self.service = facts.service

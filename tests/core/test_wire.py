@@ -36,7 +36,7 @@ def test_a_worker_request_is_plain_data_and_comes_back_typed():
     request = WorkerRequest(("resid_post.1", "z.0"), (0, 3), 5, {"resid_post.1": edit})
     rpc = request.to_rpc()
     assert json.loads(json.dumps({k: v for k, v in rpc.items() if k != "edits"})) == {
-        "points": ["resid_post.1", "z.0"], "positions": [0, 3], "after": 5}
+        "points": ["resid_post.1", "z.0"], "positions": [0, 3], "after": 5, "features": None}
     assert isinstance(rpc["edits"]["resid_post.1"]["vector"], torch.Tensor)  # a tensor, never a list
     back = WorkerRequest.from_rpc(rpc)
     assert (back.points, back.positions, back.after) == (request.points, request.positions, request.after)
@@ -85,3 +85,32 @@ def test_values_per_row_are_cut_with_the_rows():
     assert torch.equal(cut[0].value, per_row[1:2, :3]) and cut[1].factor == 2.0
     assert torch.equal(edits_from_replica(edits_for_rows(plain, 0, 2))["resid_post.0"][0].value, per_row[:2])
     assert plain["resid_post.0"][0]["value"].shape == (3, 4, 2)  # the original is left whole
+
+
+def test_a_dictionary_and_its_work_cross_as_tensors_and_come_back_equal():
+    from interp_engine import Set, Zero
+    from interp_engine.features.plan import plan_features
+    from interp_engine.wire import (dictionary_for_worker, dictionary_from_worker, features_for_worker,
+                                    features_from_worker)
+
+    from .. import sparse_dicts as sd
+
+    sae = sd.sae(k=4)
+    data = dictionary_for_worker(sae)
+    assert all(isinstance(t, torch.Tensor) for t in data["tensors"].values())
+    back = dictionary_from_worker(data)
+    assert back.key == sae.key == data["key"] and repr(back) == repr(sae)
+    info = type("Info", (), {"n_layers": 3, "d_model": sd.D_MODEL, "n_heads": 4, "d_head": 32, "d_mlp": 256,
+                             "name": "tiny"})()
+    tokens = torch.zeros(1, 6, dtype=torch.long)
+    edits = {"resid_post.1.features[2]": Set(1.5, positions=[1]), "resid_post.1.sae_error": Zero()}
+    _, plan = plan_features([parse_address("resid_post.1.features[2,3]")], edits, [sae], info, tokens,
+                            writable=frozenset({"resid_post"}))
+    work = features_for_worker(plan)
+    (attached,) = features_from_worker(work, {sae.key: back})
+    want = plan.attached[0]
+    assert attached.features == want.features and attached.error == want.error
+    assert [p.address for p in attached.feature_edits] == [p.address for p in want.feature_edits]
+    assert attached.feature_edits[0].selection.rows == ((1,),) and attached.error_edit.selection is None
+    with pytest.raises(InternalError, match="was not sent"):
+        features_from_worker(work, {})

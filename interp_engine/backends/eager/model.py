@@ -20,6 +20,7 @@ from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.dtypes import dtype_name
 from interp_engine.errors import InputError
+from interp_engine.features.run import FeatureRun, Placed
 from interp_engine.model import CaptureModel, Completion
 from interp_engine.positions import held_positions
 from interp_engine.request import Request
@@ -41,7 +42,7 @@ class EagerModel(CaptureModel):
         "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v", "pattern", "resid_streams"}),
-        function_edits=True, takes_device=True)
+        function_edits=True, takes_device=True, features=True)
 
     @classmethod
     def capabilities_for(cls, hf_config) -> Capabilities:
@@ -77,6 +78,7 @@ class EagerModel(CaptureModel):
         self.requires_grad = requires_grad
         self.hf.requires_grad_(requires_grad)
         self._lock = threading.Lock()
+        self._dictionaries = Placed()
         wrapped = attention.EAGER if attention.implementation(self.hf) == "eager" else attention.SDPA
         attention.set_implementation(self.hf, wrapped)
 
@@ -128,9 +130,17 @@ class EagerModel(CaptureModel):
             )
         return contextlib.nullcontext()
 
-    def _recorder(self, addresses, *, detach, stop_early, positions=None, edits=None):
-        return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
-                        positions=positions, edits=edits)
+    def _recorder(self, addresses, *, detach, stop_early, positions=None, edits=None, features=None):
+        """The hooks of one call; a call with dictionaries (``features``, a FeaturePlan) runs each
+        inside the hook of its site, and its feature points are recorded beside the addresses."""
+        if features is None:
+            return Recorder(self.hf, self.arch, self.info, addresses, detach=detach, stop_early=stop_early,
+                            positions=positions, edits=edits)
+        run = FeatureRun(features, self.device, place=self._dictionaries)
+        recorder = Recorder(self.hf, self.arch, self.info, [*addresses, *features.points], detach=detach,
+                            stop_early=stop_early, positions=positions, edits=run.edits(edits))
+        run.sink = recorder.keep
+        return recorder
 
     def _execute(self, request: Request):
         if request.options is not None:
@@ -143,7 +153,7 @@ class EagerModel(CaptureModel):
         with self._lock, self._grad_context(detach):
             cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs
             with self._recorder(addresses, detach=detach, stop_early=not whole,
-                                positions=positions, edits=edits) as recorder:
+                                positions=positions, edits=edits, features=request.features) as recorder:
                 try:
                     out = self.hf(
                         input_ids=tokens.clamp(min=0).to(self.device),
@@ -174,7 +184,7 @@ class EagerModel(CaptureModel):
         step_ids = tokens.to(self.device)
         with self._lock, torch.no_grad():
             with self._recorder(addresses, detach=True, stop_early=False, positions=positions,
-                                edits=edits) as recorder:
+                                edits=edits, features=request.features) as recorder:
                 for step in range(options.max_tokens):
                     cancel.checkpoint(f"after {step} of {options.max_tokens} decode steps")
                     start = recorder.start = past.get_seq_length()

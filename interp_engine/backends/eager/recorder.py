@@ -153,8 +153,10 @@ class Recorder:
         return self._index[1]
 
     def _install(self) -> None:
-        by_module = group_sites(self.addresses, self.arch.sites)
-        self._hooks = {a: self.arch.sites[a.name] for a in self.addresses if a.layer is not None}
+        # feature points (interp_engine.features) are recorded by their dictionaries' edits, not hooked
+        sites = [a for a in self.addresses if isinstance(a, Address)]
+        by_module = group_sites(sites, self.arch.sites)
+        self._hooks = {a: self.arch.sites[a.name] for a in sites if a.layer is not None}
         for address in self.edits:
             hook = self._write_hook(address)
             key = (address.layer, hook.module, hook.phase)

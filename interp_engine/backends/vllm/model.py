@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from interp_engine import cancel
-from interp_engine.address import Address
+from interp_engine.address import Address, FeatureAddress
 from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
@@ -40,7 +40,8 @@ from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
 from interp_engine.errors import InputError, InternalError, UnsupportedModel
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
-from interp_engine.wire import WorkerRequest, edit_for_worker
+from interp_engine.wire import WorkerRequest, dictionary_for_worker, edit_for_worker, features_for_worker
+from interp_engine.features.sparse import SparseRows
 from ..heads import split_heads
 from .engine import engine_options, memory_defaults, quiet_start, start_engine, stop_engine
 from .loop import EngineLoop, Finished, Job, run_on_loop
@@ -66,7 +67,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         "vllm", "vLLM", batched=False, forms_pattern=False, gradients=False,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v"}),
-        function_edits=False, takes_device=False)
+        function_edits=False, takes_device=False, features=True)
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
     def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int,
@@ -82,6 +83,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self.tensor_parallel_size = tensor_parallel_size
         self.capabilities = self.capabilities_for(hf_config)
         self._weights: dict[int, torch.Tensor] = {}
+        #: content keys of the dictionaries every worker holds (each is sent once)
+        self._dictionaries: set[str] = set()
         self._loop = EngineLoop(llm.llm_engine)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
         try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
@@ -163,15 +166,34 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 "(it runs under inference mode). Use load_model(name, backend='eager', requires_grad=True)."
             )
         tokens, addresses, options = request.tokens, list(request.points), request.options
-        positions, edits = request.positions, request.edits
+        positions, edits, features = request.positions, request.edits, request.features
         wire = sorted({str(self._read_as(a)) for a in addresses})
-        layers = self._depth(addresses, edits) if options is None and self.shortens else None
+        sites = features.sites() if features is not None else []
+        layers = self._depth(addresses + sites, edits) if options is None and self.shortens else None
         request = WorkerRequest(
             tuple(wire), None if positions is None else tuple(positions.rows[0]),
             None if positions is None else positions.after[0],
-            {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None)
+            {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None,
+            self._features_for_worker(features) if features is not None else None)
         job = Job(tokens[0].tolist(), _sampling_params(options), request, layers)
         return self._loop.submit(job)
+
+    def _features_for_worker(self, plan) -> list[dict]:
+        """The request's dictionary work as the workers take it; each dictionary is sent to every
+        worker the first time a request uses it (it stays there under its content key)."""
+        for attached in plan.attached:
+            d = attached.dictionary
+            if self.tensor_parallel_size > 1:
+                sharded = [a for a in (d.reads, d.writes) if self.sites[a.name].shard]
+                if sharded:
+                    raise InputError(f"{d!r} sits at {sharded[0]}, which tensor parallelism splits over ranks by "
+                                     f"{self.sites[sharded[0].name].shard}; dictionaries run on replicated sites "
+                                     f"(resid_*, attn_out, mlp_out) under tensor_parallel_size > 1, or load the "
+                                     f"model with tensor_parallel_size=1")
+            if d.key not in self._dictionaries:
+                run_on_loop(self._loop, "interp_add_dictionary", dictionary_for_worker(d))
+                self._dictionaries.add(d.key)
+        return features_for_worker(plan)
 
     def _depth(self, addresses: list[Address], edits: dict | None) -> int | None:
         """The layers a prefill reading ``addresses`` (and editing ``edits``) needs: up to its
@@ -190,20 +212,25 @@ class VllmModel(FetchedUnembedding, CaptureModel):
 
     def _result(self, finished: Finished, r: Request):
         if r.options is None:
-            return self._cache(finished, r.tokens, list(r.points), r.positions, r.tokens.shape[1])
-        return self._completion(finished, r.tokens, list(r.points), r.positions)
+            return self._cache(finished, r.tokens, self._outputs(r), r.positions, r.tokens.shape[1])
+        return self._completion(finished, r.tokens, self._outputs(r), r.positions)
 
-    def run_many(self, rows, points, *, positions=None, edits=None) -> list[Cache]:
+    @staticmethod
+    def _outputs(r: Request) -> list:
+        """The points a request's cache holds: its addresses, then its feature points."""
+        return list(r.points) + (list(r.features.points) if r.features is not None else [])
+
+    def run_many(self, rows, points, *, positions=None, edits=None, saes=None) -> list[Cache]:
         """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
         batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
         Each row is checked first: a bad one fails the call before any is submitted (the points
         once for all rows). ``edits``: the same for every row, or a list of each row's own."""
         points = self.check_points(points)
         each = edits if isinstance(edits, list) else [edits] * len(rows)
-        calls = [self.request(row, points, positions=positions, edits=e) for row, e in zip(rows, each)]
+        calls = [self.request(row, points, positions=positions, edits=e, saes=saes) for row, e in zip(rows, each)]
         futures = [self._submit(r) for r in calls]
         try:
-            return [self._stamped(self._cache(cancel.wait(future), r.tokens, list(r.points), r.positions,
+            return [self._stamped(self._cache(cancel.wait(future), r.tokens, self._outputs(r), r.positions,
                                              r.tokens.shape[1]))
                     for future, r in zip(futures, calls)]
         except BaseException:
@@ -242,7 +269,9 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             return list(range(0, tp, tp // self.info.n_kv_heads))
         return list(range(tp))
 
-    def _assemble(self, address: Address, ranks: list[dict], wanted: torch.Tensor) -> torch.Tensor:
+    def _assemble(self, address, ranks: list[dict], wanted: torch.Tensor) -> torch.Tensor:
+        if isinstance(address, FeatureAddress):
+            return self._assemble_features(address, ranks[0][str(address)], wanted)
         read = self.sites.get(address.name)
         pieces = []
         for rank in self._holders(read.shard if read else ""):
@@ -257,6 +286,22 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             pieces.append(rows)
         tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
         return split_heads(address.name, tensor, self.info)[None]
+
+
+    @staticmethod
+    def _assemble_features(point: FeatureAddress, item: dict, wanted: torch.Tensor) -> torch.Tensor:
+        """A feature point as rank 0 recorded it (sparse rows, or dense ones), ``[1, pos, n]``."""
+        positions = item["positions"]
+        if "rows" in item:
+            rows = item["rows"]
+        else:
+            rows = SparseRows(item["offsets"], item["ids"], item["values"], int(item["width"])).dense()
+        keep = positions <= wanted[-1]  # the never fed-back final token, should a worker record it
+        rows, positions = rows[keep], positions[keep]
+        if not torch.equal(positions, wanted):
+            raise InternalError(f"[Internal] the workers recorded positions {positions.tolist()} for {point}, "
+                                f"expected {wanted.tolist()}")
+        return rows[None]
 
 
 def _ordinary(tensor: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,11 @@ class CaptureExtension:
         """``{request id: WorkerRequest.to_rpc()}``, read back into typed requests here."""
         self._interp_recorder().register({rid: WorkerRequest.from_rpc(data) for rid, data in requests.items()})
 
+    def interp_add_dictionary(self, data: dict) -> None:
+        """Keep a sparse dictionary (:func:`interp_engine.wire.dictionary_for_worker`'s data) on this
+        worker's device under its content key, for the requests that will name it."""
+        self._interp_recorder().features.add_dictionary(data)
+
     def interp_take(self, request_ids: list[str]) -> dict:
         return self._interp_recorder().take(request_ids)
 
@@ -77,7 +82,8 @@ class CaptureExtension:
         recorder = self._interp_recorder()
         return {"pending": sorted(recorder.requests.wanted), "hooks": recorder.hooks_installed,
                 "edited": sorted(recorder.editor.edits),
-                "max_batch": recorder.requests.max_batch, "bytes_returned": recorder.bytes_returned,
+                "max_batch": recorder.requests.max_batch,
+                "bytes_returned": recorder.bytes_returned + recorder.features.bytes_returned,
                 "kv_blocks_zeroed": getattr(getattr(self, "_interp_kv_guard", None), "zeroed", None),
                 "layers_run": (vllm_compat.layer_range(recorder.stack) or (0, len(recorder.layers)))[1]}
 

@@ -30,6 +30,7 @@ from .. import compat as vllm_compat
 from . import experts as vllm_moe
 from .batch import BatchRows
 from .edits import EditBook
+from .features import FeatureBook
 from interp_engine.wire import WorkerRequest
 
 
@@ -54,6 +55,8 @@ class WorkerRecorder:
         # hook -> the edits applied there, in forward order; hook -> layer whose resid_pre it keeps
         self._edit_groups: dict[Group, list[Address]] = {}
         self._stash_groups: dict[Group, int] = {}
+        #: the registered requests' sparse dictionaries (:mod:`.features`), run like edits at their sites
+        self.features = FeatureBook(next(self.model.parameters()).device, tp_rank)
         layers = arch.vllm_path("layers")
         self.layers = self.model.get_submodule(layers)
         #: the module that runs the layers (its forward loops over them)
@@ -83,6 +86,7 @@ class WorkerRecorder:
             self.requests.register(rid, request)
             if request.edits:
                 self.editor.register(rid, request.edits)
+            self.features.register(rid, request)
         self._rehook()
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -95,6 +99,7 @@ class WorkerRecorder:
             self.requests.forget(rid)
             self.editor.forget(rid)
             self.bytes_returned += sum(r.nbytes + p.nbytes for r, p in out[rid].values())
+            out[rid].update(self.features.take(rid))
         self._rehook()
         return out
 
@@ -104,6 +109,7 @@ class WorkerRecorder:
             self.requests.rows.drop(rid)
             self.requests.forget(rid)
             self.editor.forget(rid)
+            self.features.forget(rid)
         self._rehook()
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -120,7 +126,8 @@ class WorkerRecorder:
         self._groups = groups
         edits: dict[Group, list[Address]] = defaultdict(list)
         self._stash_groups = {}
-        for a in sorted(self.editor.addresses(), key=lambda a: (a.layer, list(SITES).index(a.name))):
+        written = self.editor.addresses() | self.features.addresses()
+        for a in sorted(written, key=lambda a: (a.layer, list(SITES).index(a.name))):
             read = self._write_read(a)
             edits[(a.layer, read.module, read.phase)].append(a)
             if a.name == "resid_mid":
@@ -156,6 +163,12 @@ class WorkerRecorder:
         req_ids, starts = vllm_compat.batch_map(self.runner)
         self.requests.on_batch(req_ids, starts, vllm_compat.forward_positions(args, kwargs))
         self.editor.on_batch(self.requests.every if self.editor.edits else [], self.requests.positions)
+        self.features.on_batch(self.requests.every if self.features.work else [], self.requests.positions)
+
+    @property
+    def _editing(self) -> bool:
+        """Whether some request of this forward edits, or runs a dictionary."""
+        return bool(self.editor.spans or self.features.spans)
 
     def _write_read(self, address: Address) -> Hook:
         """Where an edit of ``address`` is written: its own read, except resid_mid (through attn_out)."""
@@ -165,7 +178,7 @@ class WorkerRecorder:
         """Apply this forward's edits at ``group`` to ``values`` (part name or index -> tensor),
         in place in the dict; True when something changed."""
         changed = False
-        for a in self._edit_groups.get(group, ()) if self.editor.spans else ():
+        for a in self._edit_groups.get(group, ()) if self._editing else ():
             names = [p for p in self._write_read(a).parts if values.get(p) is not None]
             last = names[-1]
             if a.name == "resid_mid":
@@ -173,17 +186,19 @@ class WorkerRecorder:
             else:
                 others = [values[p] for p in names[:-1]]
                 offset = others[0] if len(others) == 1 else (sum(others) if others else None)
-            new = self.editor.edit(a, values[last], offset)
+            new = self.editor.edit(a, values[last], offset) if self.editor.spans else values[last]
+            if self.features.spans:
+                new = self.features.apply(a, new, offset)
             if new is not values[last]:
                 values[last], changed = new, True
-        if group in self._stash_groups and self.editor.spans:
+        if group in self._stash_groups and self._editing:
             parts = [values[p] for p in self.table["resid_pre"].parts if values.get(p) is not None]
             self.editor.keep_resid_pre(self._stash_groups[group], parts)
         return changed
 
     def _input_hook(self, group: Group):
         def hook(module, args, kwargs):
-            editing = self.editor.spans and (group in self._edit_groups or group in self._stash_groups)
+            editing = self._editing and (group in self._edit_groups or group in self._stash_groups)
             if not (self.batch or editing):
                 return None
             bound = dict(self._bind(module, args, kwargs))
@@ -197,7 +212,7 @@ class WorkerRecorder:
 
     def _output_hook(self, group: Group):
         def hook(module, args, output):
-            editing = self.editor.spans and group in self._edit_groups
+            editing = self._editing and group in self._edit_groups
             if not (self.batch or editing):
                 return None
             many = isinstance(output, (tuple, list))

@@ -108,8 +108,8 @@ def from_tl_name(text: str) -> tuple[str, int | None]:
         site = ours[guess[0]] if guess[0] in ours else CLOSEST[guess[0]][0]
         exact = "here" if guess[0] in ours else "not a point here; the closest is"
         hint = f" Did you mean {guess[0].replace('{L}', layer)!r} ({exact} {_at(site, layer)!r})?"
-    raise AddressError(f"{text!r} is not a TransformerLens hook name this engine knows.{hint} Known: "
-                       f"{', '.join(t.replace('{L}', 'L') for t in TL_HOOKS.values())}")
+    raise AddressError(f"{text!r} is not a TransformerLens hook name this engine knows.{hint} The names it maps "
+                       f"to addresses (known: {', '.join(t.replace('{L}', 'L') for t in TL_HOOKS.values())})")
 
 
 def _at(site: str, layer: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from interp_engine import cancel
-from interp_engine.batching import join_captured, split_rows
+from interp_engine.batching import join_captured, split_with_edits
 from interp_engine.errors import InternalError, user_error
 from interp_engine.dataset.shard import ShardSpec, ShardStats
 
@@ -71,10 +71,12 @@ class CoordinatorCore:
     def _row_shards(self, tokens: np.ndarray, points: list[str], positions=None, edits=None,
                     saes=None) -> list[Shard]:
         """Row shards; each carries the positions spec and the edits (plain data, their positions
-        specs as given), which every replica resolves per row, and the call's dictionaries
+        specs as given), which every replica resolves per row (an edit's value per row cut with the
+        piece's rows: :func:`~interp_engine.batching.split_with_edits`), and the call's dictionaries
         (``[(key, object ref)]``)."""
-        return [Shard(i, (rows, points, positions, edits, saes))
-                for i, rows in enumerate(split_rows(tokens, self.batched, len(self.replicas)))]
+        return [Shard(i, (rows, points, positions, piece_edits, saes))
+                for i, (rows, piece_edits) in enumerate(split_with_edits(tokens, self.batched, len(self.replicas),
+                                                                          edits))]
 
     def generate(self, tokens: np.ndarray, points: list[str], options: dict, positions=None,
                  edits=None, saes=None) -> GenerationReply:

@@ -5,14 +5,17 @@
 # CPU), or cell by cell (`# %%`) in VS Code / Jupyter. It uses the embedded SmolLM2-135M
 # (`load_model()`, offline) and the everyday tools: string tokens, whole-site captures at one
 # position, the logit lens, the residual stream decomposed into what wrote it, and logit
-# attribution to layers and to attention heads. Every claim it prints is also asserted, so the
-# test suite runs this file (tests/test_tutorial.py). The same calls work on
-# `load_model(backend="vllm")` and on a cluster model (`replicas=N`).
+# attribution to layers and to attention heads, and an activation-patching sweep over every layer
+# and position in one batched call per layer. TransformerLens's hook names work as addresses
+# (`"blocks.29.hook_resid_post"` is `resid_post.29`), as do negative layers (`-1`: the last).
+# Every claim it prints is also asserted, so the test suite runs this file
+# (tests/test_tutorial.py). The same calls work on `load_model(backend="vllm")` and on a cluster
+# model (`replicas=N`).
 
 # %%
 import torch
 
-from interp_engine import (accumulated_resid, decompose_resid, head_contributions, lens_top, load_model,
+from interp_engine import (Add, Set, accumulated_resid, decompose_resid, head_contributions, lens_top, load_model,
                            logit_attribution, logit_lens, run_with_cache, stack)
 
 torch.set_grad_enabled(False)
@@ -29,11 +32,12 @@ print(model.to_str_tokens(tokens))
 # positions are never copied out of the forward pass.
 
 # %%
-points = ["resid_pre.0", "resid_post", "attn_out", "mlp_out", "z", "logits"]
+points = ["blocks.0.hook_resid_pre", "resid_post", "attn_out", "mlp_out", "z", "logits"]  # TL names or ours
 cache = run_with_cache(model, tokens, points, positions=-1)
-print(cache.positions, len(cache), "addresses")
-assert len(model.points("resid_post")) == model.n_layers == 30
-assert cache["resid_post.29"].shape == (1, 1, model.d_model)
+print(cache)
+assert len(model.points("resid_post")) == model.cfg.n_layers == 30
+assert cache["blocks.29.hook_resid_post"] is cache["resid_post", -1] is cache["resid_post.29"]
+assert cache["resid_post", -1].shape == (1, 1, model.cfg.d_model)
 
 answer_id = int(cache["logits"][0, -1].argmax())
 answer = model.to_string([answer_id])
@@ -104,3 +108,52 @@ per_head = torch.stack(per_head)  # [layers, heads]
 best = per_head.flatten().argsort(descending=True)[:3]
 print("top heads:", ", ".join(f"L{int(i) // model.n_heads}H{int(i) % model.n_heads} ({float(per_head.flatten()[i]):+.2f})"
                               for i in best))
+
+# %% [markdown]
+# ## Activation patching: where does the model keep "France"?
+#
+# Run "The capital of France is" (it says " Paris") and patch in the residual stream of
+# "The capital of Italy is" (" Rome") at one layer and one position: how much of the way to
+# " Rome" does that one patch move the answer? A TransformerLens sweep is one forward per
+# (layer, position). Here an edit's value may carry a batch axis, one value per row: a batch of
+# `n` copies of the France prompt, row `i` patched at position `i` only (an `Add` of the
+# difference, zero everywhere else), is the whole row of the grid for one layer in one call.
+
+# %%
+italy = model.to_tokens("The capital of Italy is")
+n = tokens.shape[1]
+assert italy.shape == tokens.shape  # the two prompts differ in one token, " France" / " Italy"
+rome = int(model.to_tokens(" Rome", prepend_bos=False)[0, 0])
+clean = run_with_cache(model, italy, ["resid_pre", "logits"])
+corrupt = run_with_cache(model, tokens, ["resid_pre", "logits"])
+
+
+def rome_minus_paris(logits):
+    return logits[..., rome] - logits[..., answer_id]
+
+
+clean_diff, corrupt_diff = rome_minus_paris(clean["logits"][0, -1]), rome_minus_paris(corrupt["logits"][0, -1])
+recovered = torch.zeros(model.cfg.n_layers, n)  # fraction of the way from ' Paris' to ' Rome'
+for L in range(model.cfg.n_layers):
+    delta = torch.zeros(n, n, model.cfg.d_model)  # [batch = positions, pos, d_model]
+    for i in range(n):
+        delta[i, i] = clean["resid_pre", L][0, i] - corrupt["resid_pre", L][0, i]
+    patched = run_with_cache(model, tokens.repeat(n, 1), ["logits"], positions=-1,
+                             edits={f"blocks.{L}.hook_resid_pre": Add(delta)})
+    recovered[L] = (rome_minus_paris(patched["logits"][:, 0]) - corrupt_diff) / (clean_diff - corrupt_diff)
+
+names = model.to_str_tokens(tokens)
+moved = next(L for L in range(model.cfg.n_layers) if recovered[L, -1] > 0.5)
+for L in [0, moved - 1, moved, model.cfg.n_layers - 1]:
+    print(f"resid_pre.{L:2d}: " + "  ".join(f"{names[i]!r} {float(recovered[L, i]):+.2f}" for i in range(n)))
+print(f"the answer moves from {names[3]!r} to {names[-1]!r} at layer {moved}")
+assert recovered[0, 3] > 0.99 and recovered[-1, -1] > 0.99  # the country token early, the last token late
+assert recovered[:, :3].abs().max() < 1e-3  # the tokens both prompts share: nothing to patch
+assert recovered[-1, 3] < 0.05 and recovered[0, -1] < 0.05
+
+# One cell of the grid, patched alone the ordinary way: the same number (a batch of one row
+# instead of n is a different computation, so within float rounding).
+one = run_with_cache(model, tokens, ["logits"], positions=-1,
+                     edits={f"resid_pre.{moved}": Set(clean["resid_pre", moved][0, -1], positions=[-1])})
+alone = (rome_minus_paris(one["logits"][0, 0]) - corrupt_diff) / (clean_diff - corrupt_diff)
+assert abs(float(alone) - float(recovered[moved, -1])) < 1e-3

@@ -19,7 +19,8 @@ from typing import Union
 from .capabilities import Capabilities
 from .sites import SITES as SITES
 from .sites import Site as Site
-from .errors import AddressError
+from .errors import AddressError, shown
+from .tl_names import from_tl_name, is_tl_name
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -38,7 +39,7 @@ class Address:
         for field in ("layer", "stream"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise AddressError(f"{field} of {self.name!r} must be an int, got {value!r}")
+                raise AddressError(f"{field} of {self.name!r} must be an int, got {shown(value)}")
         if site.per_layer and self.layer is None:
             raise AddressError(f"{self.name!r} needs a layer, e.g. Address({self.name!r}, 0)")
         if not site.per_layer and self.layer is not None:
@@ -121,8 +122,16 @@ class FeatureAddress:
 AddressLike = Union[Address, FeatureAddress, str, tuple]
 
 
-def format_address(address: Address | FeatureAddress) -> str:
-    """``Address("z", 7)`` -> ``"z.7"``; the inverse of :func:`parse_address`."""
+def format_address(address: Address | FeatureAddress, style: str = "ours") -> str:
+    """``Address("z", 7)`` -> ``"z.7"``; the inverse of :func:`parse_address`.
+    ``style="tl"``: the TransformerLens hook name, ``"blocks.7.attn.hook_z"`` (see :mod:`.tl_names`)."""
+    if style == "tl":
+        from .tl_names import tl_name
+
+        return tl_name(address)
+    if style != "ours":
+        raise AddressError(f"format_address: style must be 'ours' ('z.7') or 'tl' ('blocks.7.attn.hook_z'), "
+                           f"got {style!r}")
     if isinstance(address, FeatureAddress):
         ids = "" if address.ids is None else f"[{','.join(map(str, address.ids))}]"
         return f"{format_address(address.site)}.{address.kind}{ids}"
@@ -132,12 +141,16 @@ def format_address(address: Address | FeatureAddress) -> str:
 
 
 def parse_address(text: str) -> Address:
-    """``"resid_post.10"`` -> ``Address("resid_post", 10)``; the inverse of :func:`format_address`."""
+    """``"resid_post.10"`` -> ``Address("resid_post", 10)``; the inverse of :func:`format_address`.
+    A TransformerLens hook name (``"blocks.10.hook_resid_post"``) reads as the same address
+    (:func:`.tl_names.from_tl_name`)."""
     if not isinstance(text, str):
         raise AddressError(f"parse_address takes a string like 'resid_post.10', got {type(text).__name__}")
     site, _, last = text.strip().rpartition(".")
     if site and last.split("[")[0] in FEATURE_KINDS:
         return _parse_feature(text, parse_address(site), last)
+    if is_tl_name(text.strip()):
+        return Address(*from_tl_name(text))
     name, *coords = text.strip().split(".")
     try:
         numbers = [int(c) for c in coords]
@@ -174,7 +187,7 @@ def to_address(point: AddressLike) -> Address | FeatureAddress:
     if isinstance(point, tuple) and point and isinstance(point[0], str):
         return Address(*point)
     raise AddressError(
-        f"cannot read {point!r} as an address: use Address('resid_post', 10), "
+        f"cannot read {shown(point)} as an address: use Address('resid_post', 10), "
         f"'resid_post.10' or ('resid_post', 10)"
     )
 
@@ -276,10 +289,11 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
     if site.per_layer:
         layers = info.moe_layers if site.moe and info.moe_layers else range(info.n_layers)
         if address.layer not in layers:
-            shown = f"0..{info.n_layers - 1}" if layers == range(info.n_layers) else str(list(layers))
+            valid = f"0..{info.n_layers - 1}" if layers == range(info.n_layers) else str(list(layers))
             raise AddressError(
                 f"{format_address(address)!r}: layer {address.layer} is out of range; "
-                f"{info.name} has layers {shown} for {address.name!r}"
+                f"{info.name} has layers {valid} for {address.name!r} (negative layers count from the end: "
+                f"-1 is layer {info.n_layers - 1}, -{info.n_layers} is layer 0)"
             )
         if site.attention and info.attention_layers and address.layer not in info.attention_layers:
             kinds = ", ".join(f"{i} {kind}" for i, kind in enumerate(info.layer_kinds))
@@ -301,6 +315,25 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
     if site.per_stream and not 0 <= address.stream < info.n_streams:
         what = "a single residual stream, so only stream 0" if info.n_streams == 1 else f"streams 0..{info.n_streams - 1}"
         raise AddressError(f"{format_address(address)!r}: {info.name} has {what}")
+
+
+def from_the_end(address: Address, info: ModelInfo) -> Address:
+    """``address`` with a negative layer (or stream) counted from the end of this model's layers
+    (streams): ``resid_post.-1`` is ``resid_post.{n_layers - 1}``. Where the model is known — a
+    capture's points, an edit's address, a cache lookup — addresses are normalised here, so what
+    a cache holds and what crosses to workers and replicas always carries the real layer. A
+    layer that is still negative is left for :func:`check_address` to refuse, naming the range."""
+    if isinstance(address, FeatureAddress):  # a dictionary's point: its site counts from the end
+        site = from_the_end(address.site, info)
+        return address if site is address.site else dataclasses.replace(address, site=site)
+    layer, stream = address.layer, address.stream
+    if layer is not None and layer < 0 and layer + info.n_layers >= 0:
+        layer += info.n_layers
+    if stream is not None and stream < 0 and stream + info.n_streams >= 0:
+        stream += info.n_streams
+    if (layer, stream) == (address.layer, address.stream):
+        return address
+    return Address(address.name, layer, stream)
 
 
 def _candidates(info: ModelInfo, site: Site, layer: int | None = None) -> list[Address]:
@@ -351,7 +384,7 @@ def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
         if whole:
             layer = None
             if coords:
-                layer = parse_address(f"{name}.{coords[0]}.0").layer
+                layer = from_the_end(parse_address(f"{name}.{coords[0]}.0"), info).layer
             candidates = _candidates(info, site, layer)
             if layer is not None:
                 check_address(Address(name, layer, 0), info, caps)
@@ -359,7 +392,7 @@ def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
             if not found:
                 check_address(candidates[0], info, caps)  # raises the reason, with the options
             return found
-    return [to_address(point)]
+    return [from_the_end(to_address(point), info)]
 
 
 def _one_tuple(points) -> bool:
@@ -384,7 +417,7 @@ def check_points(points, info: ModelInfo, caps: Capabilities) -> list[Address]:
     if not isinstance(points, Iterable) or isinstance(points, (bytes, bytearray, dict)):
         raise AddressError(
             f"points must be a list of addresses, e.g. ['resid_post.0'] or [Address('resid_post', 0)], "
-            f"got {type(points).__name__} ({points!r:.40})"
+            f"got {type(points).__name__} ({shown(points)})"
         )
     points = list(points)
     if not points:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .address import Address
-from .analysis_checks import broadcastable, check_layer, check_width, layer_count, require_held, token_ids
-from .errors import AnalysisError, InternalError, MissingActivations
+from .analysis_checks import broadcastable, check_layer, check_width, layer_count, layer_list, require_held, token_ids
+from .errors import AnalysisError, InternalError, MissingActivations, shown
 from .cache import Cache
 from .frozen_norm import freeze
 from .protocol import HasOProj, HasUnembedding, require
@@ -52,11 +52,24 @@ def _layers_held(cache: Cache, site: str) -> list[int]:
 def stack(cache: Cache, site: str, layers=None) -> torch.Tensor:
     """One site at several layers as one tensor, ``[layers, batch, pos, ...]``.
 
-    ``layers`` defaults to every layer of ``site`` the cache holds, in layer order;
+    ``layers`` defaults to every layer of ``site`` the cache holds, in layer order; an int is one
+    layer (kept as a layer axis of 1) and a negative layer counts from the model's last;
     ``stack(cache, "resid_post")[i]`` is ``cache[f"resid_post.{layers[i]}"]``.
     """
+    from .address import SITES
+
+    if site not in SITES or not SITES[site].per_layer:
+        per_layer = [n for n, s in SITES.items() if s.per_layer]
+        hint = f" (the layer goes in layers=: stack(cache, {site.split('.')[0]!r}, layers=[...]))" if "." in str(site) else ""
+        raise AnalysisError(f"stack: site must be the name of a per-layer site such as 'resid_post', got "
+                            f"{shown(site)}{hint}; per-layer sites: {', '.join(per_layer)}")
     held = _layers_held(cache, site)
-    layers = held if layers is None else list(layers)
+    if layers is not None:
+        n = cache.n_layers or (held[-1] + 1 if held else 1)
+        known = "" if cache.n_layers else f"this cache reaches layer {n - 1} (it does not know its model's layer count)"
+        layers, _ = layer_list(f"stack({site!r})", layers, n - 1, f"the last of {n} layers", known)
+    else:
+        layers = held
     missing = [L for L in layers if L not in held]
     if not layers or missing:
         raise MissingActivations(f"stack({site!r}) needs {site} at layers {missing or 'any'}; this cache holds {site} at "

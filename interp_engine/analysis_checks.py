@@ -7,8 +7,10 @@ compute something else without a word (``-1`` reads the last vocabulary row; ``T
 a cache without ``attn_out`` decomposes into the embedding alone). So every argument is checked
 here first, and the error says what is missing or wrong and how to fix it.
 
-Negative layers and token ids are refused for now (how a negative layer counts — from the last
-layer, or from the final residual stream — is decided elsewhere, for every helper at once).
+A negative layer counts from the end of the helper's range, as Python indexing does: ``-1`` is
+the last layer for the lens, ``stack`` and ``head_contributions`` (``0..n_layers - 1``) and the
+final ``resid_post`` for ``accumulated_resid`` / ``decompose_resid`` (``0..n_layers``). Negative
+token ids are refused (they would read the vocabulary from its end without a word).
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import torch
 
 from .address import format_address
 from .cache import Cache
-from .errors import AnalysisError, MissingActivations
+from .errors import AnalysisError, MissingActivations, shown
 
 
 def layer_count(cache: Cache, model=None) -> tuple[int, str]:
-    """The model's number of layers and where it was read: from ``model``, else from the deepest
-    layer this cache holds anything at (a cache alone cannot know about deeper layers)."""
+    """The model's number of layers and where it was read: from ``model``, else from the cache
+    (the capture call recorded it), else from the deepest layer this cache holds anything at."""
     if model is not None:
         return model.n_layers, f"{getattr(model, 'name', 'the model')} has {model.n_layers} layers"
+    if getattr(cache, "n_layers", None):
+        return cache.n_layers, f"this cache's model has {cache.n_layers} layers"
     layered = [a.layer for a in cache if a.layer is not None]
     if not layered:
         raise MissingActivations(
@@ -38,17 +42,37 @@ def layer_count(cache: Cache, model=None) -> tuple[int, str]:
 
 
 def check_layer(call: str, layer, n: int, meaning: str, known: str = "") -> int:
-    """``layer`` as an int in ``0..n`` (``meaning`` says what ``n`` is), or an error naming the range."""
-    valid = f"0..{n} ({n} = {meaning})"
+    """``layer`` as an int in ``0..n`` (``meaning`` says what ``n`` is; a negative layer counts
+    from ``n``: ``-1`` is ``n``), or an error naming the range."""
+    valid = f"0..{n} ({n} = {meaning}; -1 = {n}, -{n + 1} = 0)"
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise AnalysisError(f"{call}: layer must be an int in {valid}, got {layer!r} ({type(layer).__name__})")
-    if layer < 0:
-        raise AnalysisError(f"{call}: layer={layer} is negative, and negative layers are not accepted here yet; "
-                            f"pass a layer in {valid}")
-    if layer > n:
+        raise AnalysisError(f"{call}: layer must be an int in {valid}, got {shown(layer)} ({type(layer).__name__})")
+    if not -(n + 1) <= layer <= n:
         raise AnalysisError(f"{call}: layer={layer} is out of range: layers are {valid}"
                             f"{'; ' + known if known else ''}")
-    return int(layer)
+    return int(layer) + (n + 1 if layer < 0 else 0)
+
+
+def layer_list(call: str, layers, n: int, meaning: str, known: str = "") -> tuple[list[int], bool]:
+    """``layers`` (an int, or a list / range / tensor of ints) as real layers in ``0..n`` (see
+    :func:`check_layer`), and whether one int was given. A string is refused: it is an address
+    or a site, not layer numbers (iterated, ``"resid_post.20"`` would read as its characters)."""
+    if isinstance(layers, (str, bytes)):
+        raise AnalysisError(f"{call}: layers takes layer numbers, got the string {layers!r:.60}; pass an int "
+                            f"(layers=-1), a list (layers=[0, 5, -1]) or None for every layer held "
+                            f"(cache[{layers!r:.40}] is the tensor of one address)")
+    if isinstance(layers, torch.Tensor) and layers.dim() == 0:
+        layers = layers.item()
+    if isinstance(layers, numbers.Integral) and not isinstance(layers, bool):
+        return [check_layer(call, layers, n, meaning, known)], True
+    if isinstance(layers, bool) or not hasattr(layers, "__iter__"):
+        raise AnalysisError(f"{call}: layers must be an int or a list of ints (e.g. layers=[0, -1]), or None "
+                            f"for every layer held, got {shown(layers)}")
+    layers = [x.item() if isinstance(x, torch.Tensor) else x for x in layers]
+    if not layers:
+        raise AnalysisError(f"{call}: layers=[] names no layer; pass None for every layer the cache holds, an "
+                            f"int or a non-empty list")
+    return [check_layer(call, L, n, meaning, known) for L in layers], False
 
 
 def require_held(call: str, cache: Cache, needed: list, fix: str) -> None:

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 
 from .address import Address, parse_address
 from .cache import Cache
+from .edit_rows import row_edit
+from .edits import check_edits
 from .model import CaptureModel
 from .tokens import PAD_ID, unpad
-from .wire import CaptureReply, pack_dict
+from .wire import CaptureReply, edits_for_rows, pack_dict
 
 
 def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -90,10 +92,22 @@ def run_padded(model: CaptureModel, tokens: torch.Tensor, addresses: list[Addres
     if model.batched or tokens.shape[0] == 1 and bool((tokens >= 0).all()):
         return model.run_with_cache(tokens, addresses, positions=positions, edits=edits, **more)
     rows = unpad(tokens)
-    caches = model.run_many(rows, addresses, positions=positions, edits=edits, **more)
+    caches = model.run_many(rows, addresses, positions=positions, edits=edits_by_row(model, tokens, edits), **more)
     held = None if positions is None else [c.positions for c in caches]
     joined, padded, held = join_rows([c.to_dict() for c in caches], rows, tokens.shape[1], held)
     return Cache(joined, padded, None, model.name, model.backend, held)
+
+
+def edits_by_row(model: CaptureModel, tokens: torch.Tensor, edits) -> list:
+    """``edits`` (as a caller gives them, for the padded batch ``tokens``) as each row's own edits:
+    a value per row (batched patching) becomes that row's value, cut to the row's own width where
+    it gives one per position of the batch; everything else is the same for every row."""
+    if not edits:
+        return [edits] * tokens.shape[0]
+    planned = check_edits(edits, model.info, model.capabilities, tokens)
+    lengths = (tokens >= 0).sum(dim=1).tolist()
+    return [{str(a): [row_edit(p, row, lengths[row]) for p in chain] for a, chain in planned.items()}
+            for row in range(tokens.shape[0])]
 
 
 def split_rows(tokens: np.ndarray, batched: bool, parts: int) -> list[np.ndarray]:
@@ -102,6 +116,15 @@ def split_rows(tokens: np.ndarray, batched: bool, parts: int) -> list[np.ndarray
     if not batched:
         return unpad(tokens)
     return [tokens[a:b] for a, b in chunk_bounds(tokens.shape[0], parts)]
+
+
+def split_with_edits(tokens: np.ndarray, batched: bool, parts: int, edits: dict | None):
+    """:func:`split_rows`'s pieces, each with the edits (their plain form) cut to its rows: an
+    edit's value per row travels to the piece that holds the row (:func:`.wire.edits_for_rows`;
+    a one-prompt piece runs at its row's own width)."""
+    if not batched:
+        return [(row, edits_for_rows(edits, i, i + 1, row.shape[1])) for i, row in enumerate(unpad(tokens))]
+    return [(tokens[a:b], edits_for_rows(edits, a, b)) for a, b in chunk_bounds(tokens.shape[0], parts)]
 
 
 def join_captured(parts: list[CaptureReply], tokens: np.ndarray, selected: bool) -> CaptureReply:

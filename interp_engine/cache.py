@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .address import Address, AddressLike, format_address, parse_address, to_address
-from .errors import AddressError, CacheFileError
+from .devices import check_device
+from .errors import AddressError, CacheFileError, shown
 
 _TOKENS = "__tokens__"
 _MASK = "__mask__"
@@ -46,8 +47,12 @@ class Cache(Mapping):
         model_name: str = "",
         backend: str = "",
         positions: torch.Tensor | None = None,
+        n_layers: int | None = None,
     ):
         self._data = {to_address(k): v for k, v in data.items()}
+        #: the model's number of layers (set by the capture calls), so that a negative layer in a
+        #: lookup (``cache["resid_post", -1]``) counts from the model's end; None: unknown
+        self.n_layers = n_layers
         self.tokens = tokens
         self._positions = positions
         if positions is not None:
@@ -57,8 +62,19 @@ class Cache(Mapping):
         self.model_name = model_name
         self.backend = backend
 
-    def __getitem__(self, key: AddressLike) -> torch.Tensor:
+    def _key(self, key: AddressLike) -> Address:
+        """``key`` as the address it names here: a negative layer counts from the model's end."""
         address = to_address(key)
+        if address.layer is None or address.layer >= 0:
+            return address
+        if self.n_layers is None:
+            raise KeyError(f"{format_address(address)!r}: a negative layer counts from the end of the model, and "
+                           f"this cache does not know its model's layer count (it was not made by a capture call); "
+                           f"use the layer number")
+        return Address(address.name, address.layer + self.n_layers, address.stream)
+
+    def __getitem__(self, key: AddressLike) -> torch.Tensor:
+        address = self._key(key)
         try:
             return self._data[address]
         except KeyError:
@@ -71,8 +87,8 @@ class Cache(Mapping):
 
     def __contains__(self, key) -> bool:
         try:
-            return to_address(key) in self._data
-        except ValueError:
+            return self._key(key) in self._data
+        except (ValueError, KeyError):
             return False
 
     def __iter__(self) -> Iterator[Address]:
@@ -81,9 +97,20 @@ class Cache(Mapping):
     def __len__(self) -> int:
         return len(self._data)
 
+    #: how many addresses a repr lists before it summarises the rest
+    REPR_ITEMS = 4
+
     def __repr__(self) -> str:
-        items = ", ".join(f"{format_address(a)}: {tuple(t.shape)}" for a, t in self._data.items())
-        return f"Cache({self.model_name!r}, backend={self.backend!r}, tokens={tuple(self.tokens.shape)}, {{{items}}})"
+        """``Cache('SmolLM2-135M-Instruct', eager, 1 x 5 tokens, 31 addresses: resid_post.0 [1, 5, 576], ...)``:
+        the addresses and shapes, the first few and the last, never the values."""
+        items = [f"{format_address(a)} [{', '.join(map(str, t.shape))}]" for a, t in self._data.items()]
+        if len(items) > self.REPR_ITEMS + 1:
+            items = items[: self.REPR_ITEMS] + [f"... {len(items) - self.REPR_ITEMS - 1} more", items[-1]]
+        name = self.model_name.rstrip("/").rsplit("/", 1)[-1]
+        batch, width = self.tokens.shape
+        held = f", {self.mask.shape[1]} positions held" if self.selected else ""
+        return (f"Cache({name!r}, {self.backend or 'unknown backend'}, {batch} x {width} tokens{held}, "
+                f"{len(self._data)} addresses: {', '.join(items) or 'none'})")
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -105,11 +132,24 @@ class Cache(Mapping):
     def _like(self, data, positions=None) -> "Cache":
         positions = self._positions if positions is None else positions
         mask = None if positions is not None else self.mask
-        return Cache(data, self.tokens, mask, self.model_name, self.backend, positions)
+        return Cache(data, self.tokens, mask, self.model_name, self.backend, positions, self.n_layers)
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Cache":
         """A cache with every activation moved to ``device`` (and floating ones cast to ``dtype``);
-        tokens, mask and positions stay on the CPU."""
+        tokens, mask and positions stay on the CPU. As ``Tensor.to``, a dtype may come first:
+        ``cache.to(torch.float16)``."""
+        if isinstance(device, torch.dtype):
+            device, dtype = None, device if dtype is None else dtype
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"cache.to: dtype must be a torch.dtype such as torch.float16, got {shown(dtype)}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise TypeError(f"cache.to: {shown(device)} is neither a device ('cpu', 'cuda', 'cuda:1') nor a "
+                                f"torch.dtype") from None
+            check_device(device)
+
         def move(t):
             return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
 
@@ -154,6 +194,8 @@ class Cache(Mapping):
             "backend": self.backend,
             "order": json.dumps([format_address(a) for a in self._data]),
         }
+        if self.n_layers is not None:
+            metadata["n_layers"] = str(self.n_layers)
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
@@ -164,8 +206,9 @@ class Cache(Mapping):
         data = _activations(path, metadata, tensors)
         tokens, mask, positions = tensors[_TOKENS], tensors[_MASK], tensors.get(_POSITIONS)
         _check_shapes(path, data, tokens, mask, positions)
+        n_layers = metadata.get("n_layers", "")
         return cls(data, tokens, mask, str(metadata.get("model_name", "")), str(metadata.get("backend", "")),
-                   positions)
+                   positions, int(n_layers) if n_layers.isdigit() else None)
 
 
 def _read(path) -> tuple[dict, dict]:

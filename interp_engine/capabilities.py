@@ -34,8 +34,6 @@ class Capabilities:
     writable: frozenset[str] = frozenset()
     #: a Python function ``fn(tensor, address)`` is an edit (else edits are data only)
     function_edits: bool = False
-    #: a ``Set`` may give a whole ``[batch, pos, ...]`` value for a capture (not a generation)
-    whole_value_edits: bool = False
     #: the loader places the weights on ``device=`` itself (else the engine picks its device)
     takes_device: bool = True
     #: sites this model cannot read exactly (they get a clear error instead)

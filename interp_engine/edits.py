@@ -12,12 +12,16 @@ happens to the activation of each edited *position* (a ``[d_model]`` row of a re
 - ``Scale(factor)``: ``factor * x``; ``Set(value)``: ``value`` (broadcast to the edited rows);
   ``Zero()``: zeros (ablation).
 
+Several edits of one address are a list, applied in order, each to what the one before it
+wrote: ``{"resid_post.5": [Add(v), Zero(positions=[0])]}`` (every backend).
+
 ``positions`` picks the edited positions as a capture's ``positions=`` does (prompt positions,
 negative from the end of each prompt, ``"generated"``, ``None`` for all; see :mod:`.positions`);
 ``heads=[...]`` on the per-head sites (``z``, ``q``, ``k``, ``v``, ``pattern``) edits those heads
 only. The edits are plain data, so they travel unchanged to vLLM workers and cluster replicas.
 On the eager backend a Python function ``fn(tensor, address) -> tensor`` is also an edit: it
-gets the whole ``[batch, pos, ...]`` activation of each forward and returns its replacement.
+gets the whole ``[batch, pos, ...]`` activation of each forward and returns its replacement
+(or None: it only read it, and the activation stays as it was).
 
 Every backend applies an edit where the activation is produced: what runs after it sees the
 edited model, and a capture of the edited address itself returns the value after the edit.
@@ -26,19 +30,21 @@ edited model, and a capture of the edited address itself returns the value after
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Union
 
 import torch
 
 from .address import SITES, Address, ModelInfo, check_points, to_address
 from .capabilities import Capabilities
-from .errors import AddressError, InputError
+from .edit_rows import dense, per_row_axes
+from .edit_values import check_add as _check_add
+from .edit_values import number as _number
+from .edit_values import tensor as _tensor
+from .errors import AddressError, InputError, shown
 from .positions import Selection, as_int, check_spec, resolve
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Add:
     """``x + scale * vector`` (``norm_relative``: ``x + scale * |x| * vector / |vector|``)."""
 
@@ -49,7 +55,7 @@ class Add:
     heads: tuple | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Scale:
     """``factor * x``."""
 
@@ -58,23 +64,40 @@ class Scale:
     heads: tuple | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Set:
-    """``value`` in place of ``x`` (broadcast to the edited rows; on eager also a whole
-    ``[batch, pos, ...]`` tensor)."""
+    """``value`` in place of ``x`` (broadcast to the edited rows; or one value per row of the
+    batch, ``[batch, *block]`` / ``[batch, n, *block]``: see :mod:`.edit_rows`)."""
 
     value: object
     positions: object = None
     heads: tuple | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Zero:
     """Zeros in place of ``x`` (ablation)."""
 
     positions: object = None
     heads: tuple | None = None
 
+
+def _edit_repr(edit) -> str:
+    """``Add(Tensor[576] float32, scale=8.0)``: the fields that differ from their defaults, a
+    tensor as its shape and dtype (an edit's repr ends up in error messages)."""
+    parts = []
+    for field in dataclasses.fields(edit):
+        value = getattr(edit, field.name)
+        if field.default is dataclasses.MISSING:
+            parts.append(shown(value))
+        elif not (value is field.default or (isinstance(value, (int, float, bool, str, type(None)))
+                                             and type(value) is type(field.default) and value == field.default)):
+            parts.append(f"{field.name}={shown(value)}")
+    return f"{type(edit).__name__}({', '.join(parts)})"
+
+
+for _cls in (Add, Scale, Set, Zero):
+    _cls.__repr__ = _edit_repr
 
 Edit = Union[Add, Scale, Set, Zero]
 EDITS = (Add, Scale, Set, Zero)
@@ -91,8 +114,9 @@ class Planned:
     address: Address
     edit: object  # an Edit, or a callable on eager
     selection: Selection | None = None
-    #: a Set whose value is a whole ``[batch, pos, ...]`` tensor (eager)
-    full: bool = False
+    #: leading per-row axes of the edit's vector / value (:mod:`.edit_rows`): 0 none,
+    #: 1 ``[batch, *block]``, 2 ``[batch, n, *block]``
+    per_row: int = 0
 
 
 def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, ...]:
@@ -114,8 +138,10 @@ def block_shape(address: Address, info: ModelInfo, keys: int = 1) -> tuple[int, 
 
 
 def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor, *,
-                generating: bool = False, max_tokens: int | None = None) -> dict[Address, Planned] | None:
+                generating: bool = False, max_tokens: int | None = None) -> dict[Address, tuple[Planned, ...]] | None:
     """Validate ``edits`` against the model and a checked batch; None when there are none.
+
+    Each address maps to its edits in the order they apply (one edit, or a list of them).
 
     Raises :class:`AddressError` for an address the backend (its capabilities ``caps``) cannot write and
     :class:`InputError` for an edit that does not fit the address or the batch."""
@@ -125,7 +151,8 @@ def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor
         raise InputError(f"edits must be a dict of address -> edit, e.g. {{'resid_post.3': Add(vector)}}, "
                          f"got {type(edits).__name__}")
     lengths = (tokens >= 0).sum(dim=1).tolist()
-    planned: dict[Address, Planned] = {}
+    planned: dict[Address, tuple[Planned, ...]] = {}
+    keys: dict[Address, object] = {}
     writable = [s for s in SITES
                 if s in caps.writable and (not info.sites or s in info.sites) and s not in caps.unserved]
     for point, edit in edits.items():
@@ -133,15 +160,22 @@ def check_edits(edits, info: ModelInfo, caps: Capabilities, tokens: torch.Tensor
         if name not in writable:
             why = {**dict(caps.reasons), **dict(info.refused)}.get(name)
             raise AddressError(
-                f"{point!r} cannot be edited on the {caps.name} backend"
+                f"{shown(point)} cannot be edited on the {caps.name} backend"
                 + (f" ({caps.label} never forms the attention pattern)"
                    if name in SITES and SITES[name].needs_pattern and not caps.forms_pattern else "")
                 + (f" ({why})" if why else "")
                 + f"; writable sites of this model there: {', '.join(writable)}")
         (address,) = _one_address(point, info, caps)
         if address in planned:
-            raise InputError(f"two edits on {address}: give one edit per address")
-        planned[address] = _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens)
+            raise InputError(f"{shown(keys[address])} and {shown(point)} both name {address}: give it one key, with "
+                             f"a list of its edits in the order they apply, e.g. {{'{address}': [Add(v), Zero()]}}")
+        keys[address] = point
+        chain = list(edit) if isinstance(edit, (list, tuple)) else [edit]
+        if not chain:
+            raise InputError(f"edits on {address}: the list is empty; give at least one edit (or leave the "
+                             f"address out)")
+        planned[address] = tuple(_plan(address, e, info, caps, tokens, lengths, generating, max_tokens)
+                                 for e in chain)
     return planned or None
 
 
@@ -157,7 +191,7 @@ def _site_name(point) -> str:
 def _one_address(point, info, caps) -> list[Address]:
     addresses = check_points([point], info, caps)
     if len(addresses) != 1 or addresses[0].layer is None:
-        raise AddressError(f"an edit writes one layer's address such as 'resid_post.3', got {point!r}")
+        raise AddressError(f"an edit writes one layer's address such as 'resid_post.3', got {shown(point)}")
     return addresses
 
 
@@ -169,7 +203,7 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
                 f"takes edits as data: Add(vector), Scale(factor), Set(value), Zero() (with positions=, heads=)")
         return Planned(address, edit)
     if not isinstance(edit, EDITS):
-        raise InputError(f"edit on {address}: {edit!r} is not an edit; use Add(vector), Scale(factor), "
+        raise InputError(f"edit on {address}: {shown(edit)} is not an edit; use Add(vector), Scale(factor), "
                          f"Set(value) or Zero() (or a function on eager)")
     heads = _check_heads(address, edit.heads, info)
     positions = check_spec(edit.positions)
@@ -181,28 +215,28 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
     if heads is not None:
         block = (len(heads), *block[1:])
     changes = {"heads": heads, "positions": positions}
-    full = False
+    per_row = 0
+
+    def fitted(name, value):
+        nonlocal per_row
+        tensor = _tensor(address, name, value)
+        per_row = per_row_axes(address, name, tensor, block, tokens, selection, generating)
+        return tensor if per_row else _fit(address, name, tensor, block)
+
     if isinstance(edit, Add):
-        changes["vector"] = _fit(address, "Add's vector", edit.vector, block)
+        changes["vector"] = fitted("Add's vector", edit.vector)
         changes["scale"] = _number(address, "Add's scale", edit.scale)
         if not isinstance(edit.norm_relative, bool):
-            raise InputError(f"edit on {address}: norm_relative must be True or False, got {edit.norm_relative!r}")
+            raise InputError(f"edit on {address}: norm_relative must be True or False, got {shown(edit.norm_relative)}")
+        if edit.norm_relative and per_row:
+            raise InputError(f"edit on {address}: norm_relative=True takes one direction for every row; give a "
+                             f"vector of one position's block, or norm_relative=False for a vector per row")
         _check_add(address, changes["vector"], changes["scale"], edit.norm_relative)
     elif isinstance(edit, Scale):
         changes["factor"] = _number(address, "Scale's factor", edit.factor)
     elif isinstance(edit, Set):
-        value = _tensor(address, "Set's value", edit.value)
-        whole = (tokens.shape[0], tokens.shape[1], *block)
-        whole_ok = caps.whole_value_edits and not generating
-        if whole_ok and tuple(value.shape) == whole and address.query_axis == 1:
-            if positions is not None or heads is not None:
-                raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value takes no "
-                                 f"positions= or heads= (it sets every position it gives)")
-            changes["value"], full = value, True
-        else:
-            changes["value"] = _fit(address, "Set's value", value, block,
-                                    whole=whole if whole_ok else None)
-    return Planned(address, dataclasses.replace(edit, **changes), selection, full)
+        changes["value"] = fitted("Set's value", edit.value)
+    return Planned(address, dataclasses.replace(edit, **changes), selection, per_row)
 
 
 def _check_heads(address, heads, info) -> tuple[int, ...] | None:
@@ -216,7 +250,7 @@ def _check_heads(address, heads, info) -> tuple[int, ...] | None:
     n = info.n_kv_heads if address.name in ("k", "v") else info.n_heads
     heads = list(heads) if isinstance(heads, (list, tuple, range)) else heads
     if not isinstance(heads, list) or not heads or any(as_int(h) is None for h in heads):
-        raise InputError(f"edit on {address}: heads must be a non-empty list of ints, got {heads!r}")
+        raise InputError(f"edit on {address}: heads must be a non-empty list of ints, got {shown(heads)}")
     heads = [as_int(h) for h in heads]
     bad = [h for h in heads if not 0 <= h < n]
     if bad:
@@ -225,91 +259,16 @@ def _check_heads(address, heads, info) -> tuple[int, ...] | None:
     return tuple(sorted(set(heads)))
 
 
-#: the largest float32; an edit's numbers must fit
-FLOAT32_MAX = torch.finfo(torch.float32).max
-#: why an edit may only write finite numbers (the end of every such refusal)
-_WHY_FINITE = ("a NaN or inf spreads through every later position and layer of the request; pass finite "
-               "numbers (e.g. torch.nan_to_num(x), or check the division or norm that produced it)")
-
-
-def _number(address, name, value) -> float:
-    """A finite real number (numpy scalars such as ``np.float32(0.5)`` count) as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InputError(f"edit on {address}: {name} must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
-        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
-        raise InputError(f"edit on {address}: {name} must be a finite number within float32 (|x| <= 3.4e38), "
-                         f"got {shown}: {_WHY_FINITE}")
-    return number
-
-
-def _tensor(address, name, value) -> torch.Tensor:
-    """``value`` as a finite, real float32 tensor on the CPU (refused otherwise, with the fix)."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = _number(address, name, value)
-    try:
-        tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise InputError(f"edit on {address}: {name} must be a tensor or a number, got {type(value).__name__}") from None
-    if tensor.device.type == "meta":
-        raise InputError(f"edit on {address}: {name} is on the meta device (a shape without values); pass a "
-                         f"tensor that holds numbers, e.g. one made with device='cpu'")
-    if tensor.is_complex():
-        raise InputError(f"edit on {address}: {name} is complex; activations are real numbers: pass a real "
-                         f"tensor (e.g. value.real, or value.abs() if you meant the magnitude)")
-    if tensor.dtype == torch.bool:
-        raise InputError(f"edit on {address}: {name} is a bool tensor; pass numbers (e.g. mask.float())")
-    if tensor.is_sparse:
-        tensor = tensor.to_dense()
-    _check_finite(address, name, tensor)
-    out = tensor.float().cpu()
-    if tensor.is_floating_point() and tensor.dtype != torch.float32:
-        _check_finite(address, name, out, " once converted to float32 (its range ends near ±3.4e38)")
-    return out
-
-
-def _check_finite(address, name, tensor: torch.Tensor, how: str = "") -> None:
-    if not tensor.is_floating_point():
-        return
-    bad = ~torch.isfinite(tensor)
-    if bool(bad.any()):
-        where = [int(i) for i in bad.nonzero()[0]]
-        value = tensor[tuple(where)].item()
-        at = f" at index {where}" if where else ""
-        raise InputError(f"edit on {address}: {name} holds {value}{at}{how}; {_WHY_FINITE}")
-
-
-def _check_add(address, vector: torch.Tensor, scale: float, norm_relative: bool) -> None:
-    """What an ``Add`` writes must be finite too: ``scale * vector`` (or, norm-relative, the
-    unit vector, which needs a finite nonzero norm)."""
-    if norm_relative:
-        norm = float(vector.norm())
-        if not norm > 0:
-            raise InputError(f"edit on {address}: norm_relative=True needs a vector with a nonzero norm (it adds "
-                             f"scale * |x| in the vector's direction); pass a nonzero vector")
-        if not math.isfinite(norm):
-            raise InputError(f"edit on {address}: the vector's norm overflows float32, so its direction is lost; "
-                             f"divide it by its largest value first (norm_relative=True uses only its direction)")
-    elif not bool(torch.isfinite(scale * vector).all()):
-        raise InputError(f"edit on {address}: Add's scale * vector overflows float32 (scale={scale:g}, largest "
-                         f"|vector| {float(vector.abs().max()):g}); lower the scale or the vector: an edit must "
-                         f"write finite numbers")
-
-
-def _fit(address, name, value, block, whole=None) -> torch.Tensor:
+def _fit(address, name, value, block) -> torch.Tensor:
     """``value`` as a tensor that broadcasts to one position's ``block``."""
     tensor = _tensor(address, name, value)
     shape = tuple(tensor.shape)
     ok = len(shape) <= len(block) and all(s in (1, b) for s, b in zip(shape[::-1], block[::-1]))
     if not ok:
         wanted = f"[{', '.join(map(str, block))}]"
-        extra = f", or a whole [batch, pos, ...] tensor {list(whole)} (Set)" if whole and name.endswith("value") else ""
         raise InputError(f"edit on {address}: {name} of shape {list(shape)} does not fit: each edited position "
-                         f"of {address.name} is {wanted} (the {name.split()[-1]} broadcasts to it{extra})")
+                         f"of {address.name} is {wanted} (the {name.split()[-1]} broadcasts to it, or gives one per "
+                         f"row: [batch, *block], [batch, n, *block])")
     return tensor
 
 
@@ -354,6 +313,14 @@ def edited_positions(selection: Selection | None, start: int, length: int, batch
     return mask
 
 
+def edit_chain(chain: tuple[Planned, ...], tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``tensor`` after every edit of ``chain`` in order, each applied to what the one before wrote
+    (see :func:`edit_activation`)."""
+    for planned in chain:
+        tensor = edit_activation(planned, tensor, start)
+    return tensor
+
+
 class Transform:
     """An edit the engine builds itself rather than a user's value: a function of one forward's
     whole ``[batch, pos, ...]`` activation and the position its first row is (a dictionary's
@@ -372,12 +339,14 @@ def edit_activation(planned: Planned, tensor: torch.Tensor, start: int = 0) -> t
         return edit.edit_at(tensor, start)
     if not isinstance(edit, EDITS):
         out = edit(tensor, planned.address)
+        if out is None:  # a function that only reads (as a TransformerLens hook may) changes nothing
+            return tensor
         if not isinstance(out, torch.Tensor) or out.shape != tensor.shape:
             raise InputError(f"the function edit on {planned.address} must return a tensor of shape "
                              f"{list(tensor.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
         return out
-    if planned.full:
-        return edit.value[:, start : start + tensor.shape[1]].to(tensor.device, tensor.dtype)
+    if planned.per_row:
+        edit = dense(planned, start, tensor.shape[1])
     new = apply_edit(edit, tensor)
     mask = edited_positions(planned.selection, start, tensor.shape[1], tensor.shape[0])
     if mask is None:

@@ -166,3 +166,30 @@ def user_error(err: BaseException) -> BaseException:
     already names the replica and shard); ``err`` itself when it carries none."""
     cause = getattr(err, "cause", None)
     return cause if isinstance(cause, BaseException) else err
+
+
+# --- how values appear in messages ---------------------------------------------------------------
+
+#: the longest repr of a value a message quotes in full
+SHOWN_CHARS = 60
+
+
+def shown(value) -> str:
+    """``value`` as a message quotes it: a tensor or array as its kind, shape and dtype
+    (``Tensor[576] float32``), never its numbers; any other value's repr, cut to a few dozen
+    characters. No error of the library prints a whole tensor."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None and hasattr(value, "ndim"):
+        kind = "Tensor" if type(value).__module__.startswith("torch") else type(value).__name__
+        if getattr(value, "ndim", 1) == 0:
+            if kind == "Tensor":
+                return f"Tensor({_cut(repr(value.item()))}) {str(dtype).removeprefix('torch.')}"
+            return _cut(repr(value.item()))  # a numpy scalar reads as its number
+        return f"{kind}[{', '.join(map(str, shape))}] {str(dtype).removeprefix('torch.')}"
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"{type(value).__name__} of {len(value)}: {repr(list(value[:3]))[:-1]}, ...]"
+    return _cut(repr(value))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 12]}... ({len(text)} chars)"

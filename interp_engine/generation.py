@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any
 
-from .errors import InputError
+from .errors import InputError, shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Sampling:
         if self.seed is not None:
             self._set("seed", _integer(self.seed, "seed", "None or an int in [0, 2**63)", low=0, high=2**63 - 1))
         if not isinstance(self.stop_at_eos, bool):
-            raise InputError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
+            raise InputError(f"stop_at_eos must be True or False, got {shown(self.stop_at_eos)}")
 
     def _set(self, field: str, value) -> None:
         object.__setattr__(self, field, value)
@@ -80,11 +80,11 @@ class Sampling:
 
 def _integer(value, name: str, valid: str, *, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high and value > high):
-        raise InputError(f"{name} must be {valid}, got {value!r}")
+        raise InputError(f"{name} must be {valid}, got {shown(value)}")
     return int(value)
 
 
 def _real(value, name: str, valid: str, *, ok) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-        raise InputError(f"{name} must be {valid}, got {value!r}")
+        raise InputError(f"{name} must be {valid}, got {shown(value)}")
     return float(value)

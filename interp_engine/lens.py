@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from .address import Address
-from .analysis_checks import check_layer, check_width
-from .errors import AnalysisError, MissingActivations
+from .analysis_checks import check_width, layer_list
+from .errors import MissingActivations
 from .cache import Cache
 from .protocol import HasUnembedding, require
 
@@ -34,6 +34,8 @@ class LensTop(NamedTuple):
 
 
 def _lens_layers(model, cache: Cache, layers) -> list[int]:
+    """The layers to read: every ``resid_post`` the cache holds (None), one int or a list; a
+    negative layer counts from the model's last layer (``-1``)."""
     held = sorted(a.layer for a in cache if a.name == "resid_post")
     if layers is None:
         if not held:
@@ -42,15 +44,8 @@ def _lens_layers(model, cache: Cache, layers) -> list[int]:
                 "run_with_cache(model, tokens, [Address('resid_post', L) for L in range(model.n_layers)])"
             )
         return held
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise AnalysisError(f"logit_lens: layers must be a list of layers (e.g. layers=[{held[-1] if held else 0}]) "
-                            f"or None for every layer whose resid_post the cache holds, got {layers!r:.40}")
-    layers = list(layers)
-    if not layers:
-        raise AnalysisError(f"logit_lens: layers=[] names no layer; pass None for every layer whose resid_post "
-                            f"this cache holds ({held or 'none'}), or a list such as [{held[0] if held else 0}]")
     n = getattr(model, "n_layers", None) or (held[-1] + 1 if held else 1)
-    layers = [check_layer("logit_lens", L, n - 1, f"the last of {n} layers") for L in layers]
+    layers, _ = layer_list("logit_lens", layers, n - 1, f"the last of {n} layers")
     missing = [L for L in layers if L not in held]
     if missing:
         raise MissingActivations(
@@ -68,7 +63,9 @@ def _check_model(model) -> None:
 def logit_lens(model, cache: Cache, layers=None) -> torch.Tensor:
     """Logits read from ``resid_post`` of each layer: ``[len(layers), batch, pos, vocab]``.
 
-    ``layers`` defaults to every layer whose ``resid_post`` the cache holds, in order. Padded
+    ``layers`` defaults to every layer whose ``resid_post`` the cache holds, in order; an int is
+    one layer (``layers=20`` is ``layers=[20]``), and a negative layer counts from the last
+    (``-1``). Padded
     positions hold zeros. The last layer's row equals the model's logits.
     """
     _check_model(model)

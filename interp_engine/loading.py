@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import embedded
 from .capabilities import check_backend
+from .in_memory import is_module, wrap_module
 from .local import BACKENDS, load_local, find_model
 from .model import CaptureModel
 
@@ -32,8 +33,13 @@ def load_model(
     ``backend="eager"`` (HF transformers: batches, gradients, every site) or ``"vllm"`` (a vLLM
     engine: fast prefill and generation, ``tensor_parallel_size``, ``max_model_len``).
     ``replicas=N`` serves the model from N replicas on a Ray cluster with the same calls.
+    A transformers model already in memory is wrapped as it is (eager): ``load_model(hf_model,
+    tokenizer=tokenizer)`` (see :mod:`.in_memory`).
     """
     check_backend(backend)  # by name: a cluster load never imports the backend on the driver
+    if is_module(name_or_path):
+        return wrap_module(name_or_path, backend, requires_grad=requires_grad, replicas=replicas, device=device,
+                           **backend_options)
     if replicas is not None:
         from .cluster.model import load_cluster_model
 

@@ -16,6 +16,7 @@ from . import embedded
 from .capabilities import LOADERS, backend_class
 from .dtypes import to_dtype
 from .model import CaptureModel
+from .devices import check_device
 from .errors import ModelNotFound
 
 #: the ``backend=`` names (see :data:`.capabilities.LOADERS`)
@@ -29,6 +30,11 @@ def find_model(name_or_path: str) -> Path:
         if not (path / "config.json").exists():
             raise ModelNotFound(f"{path} is a folder but holds no config.json: point at a Hugging Face model folder")
         return path
+    if _is_path(str(name_or_path)):
+        missing = next((p for p in [path, *path.parents] if p.exists()), None)
+        where = f"(the nearest folder that exists is {missing})" if missing is not None else ""
+        raise ModelNotFound(f"{str(name_or_path)!r}: no such folder {where}; pass the folder that holds the model's "
+                            f"config.json and weights (a hub id is 'org/name')")
     if str(name_or_path) == embedded.NAME:
         return embedded.ensure()
     try:
@@ -45,6 +51,11 @@ def find_model(name_or_path: str) -> Path:
         ) from None
 
 
+def _is_path(name: str) -> bool:
+    """Whether ``name`` is written as a file path rather than a hub id (``org/name``)."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or "\\" in name
+
+
 def _hub_cache() -> str | None:
     """The HF hub cache as the environment says now (huggingface_hub reads it once, at import)."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -59,6 +70,8 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
     """Load ``name_or_path`` on ``backend`` in this process (see :func:`interp_engine.load_model`):
     the backend's class is looked up in :data:`~.capabilities.LOADERS` and loads it."""
     cls = backend_class(backend)
+    if device is not None and cls.capabilities.takes_device:
+        check_device(device)
     path = find_model(name_or_path)
     if requires_grad and not cls.capabilities.gradients:
         with_grad = [n for n in BACKENDS if backend_class(n).capabilities.gradients]
@@ -68,3 +81,4 @@ def load_local(name_or_path: str, backend: str = "eager", *, requires_grad: bool
                      **backend_options)
     model.source = path
     return model
+

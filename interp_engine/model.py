@@ -50,6 +50,15 @@ class CaptureModel:
     batch_hint: str = "For a padded batch, run_with_cache(model, tokens, points) takes it whole."
 
     # -- facts ---------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        """``EagerModel('SmolLM2-135M-Instruct', 30 layers, float32, cpu)``: what it is, not its modules."""
+        extra = "".join(f", {x}" for x in self._repr_extras())
+        return f"{type(self).__name__}({self.cfg.model_name!r}, {self.n_layers} layers, {self.dtype}{extra})"
+
+    def _repr_extras(self) -> list[str]:
+        """What a backend adds to its repr (its device, its engine's size, its replicas)."""
+        return []
+
     @property
     def backend(self) -> str:
         """The ``backend=`` name this model was loaded with."""
@@ -88,6 +97,23 @@ class CaptureModel:
     @property
     def d_mlp(self) -> int:
         return self.info.d_mlp
+
+    @property
+    def d_vocab(self) -> int:
+        return self.info.d_vocab
+
+    @property
+    def cfg(self):
+        """The model's facts under TransformerLens's config names (``cfg.d_model``, ``cfg.n_layers``,
+        ``cfg.n_key_value_heads``, ...), read-only: :class:`~.tl_names.TLConfig`."""
+        from .tl_names import tl_config
+
+        return tl_config(self.info, self.dtype, getattr(self, "device", None))
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer (``model.tok`` wraps it with ``to_tokens`` and padding)."""
+        return self.tok.hf
 
     def to_tokens(self, text: str | list[str], *, prepend_bos: bool | None = None) -> torch.Tensor:
         """``"text"`` -> ``[1, pos]`` token ids; a list -> a right-padded batch (see tokens.py).
@@ -160,7 +186,8 @@ class CaptureModel:
         return resolve(check_spec(positions), lengths, generating=options is not None,
                        max_tokens=options.max_tokens if options else None)
 
-    def _edits(self, edits, tokens: torch.Tensor, options: Sampling | None = None) -> dict[Address, Planned] | None:
+    def _edits(self, edits, tokens: torch.Tensor,
+               options: Sampling | None = None) -> dict[Address, tuple[Planned, ...]] | None:
         """``edits=`` checked against this model and the checked batch (see edits.py)."""
         return check_edits(edits, self.info, self.capabilities, tokens,
                            generating=options is not None, max_tokens=options.max_tokens if options else None)
@@ -195,7 +222,14 @@ class CaptureModel:
 
     def execute(self, request: Request):
         """Run a checked request: a :class:`Cache`, or ``(completion, cache)`` when it generates."""
-        return self._execute(request)
+        return self._stamped(self._execute(request))
+
+    def _stamped(self, result):
+        """The result with its cache told this model's layer count (negative layers in lookups
+        count from it)."""
+        cache = result[1] if isinstance(result, tuple) else result
+        cache.n_layers = self.info.n_layers
+        return result
 
     # -- the calls ------------------------------------------------------------------------------
     def run_with_cache(self, tokens, points, *, detach: bool = True, positions=None, edits=None,
@@ -205,9 +239,11 @@ class CaptureModel:
     def run_many(self, rows: list[torch.Tensor], points, *, positions=None, edits=None, saes=None) -> list[Cache]:
         """``run_with_cache`` of each one-prompt batch in ``rows``. A backend whose engine
         batches requests itself (vLLM) keeps them all in flight at once; this default runs them
-        one after another (the points checked once for all rows)."""
+        one after another (the points checked once for all rows). ``edits``: the same for every row,
+        or a list of each row's own."""
         points = self.check_points(points)
-        return [self.run_with_cache(row, points, positions=positions, edits=edits, saes=saes) for row in rows]
+        each = edits if isinstance(edits, list) else [edits] * len(rows)
+        return [self.run_with_cache(row, points, positions=positions, edits=e, saes=saes) for row, e in zip(rows, each)]
 
     def capture_generation(self, tokens, points, *, max_tokens: int = 16, positions=None, edits=None, saes=None,
                            **sampling) -> tuple[Completion, Cache]:
@@ -220,8 +256,9 @@ class CaptureModel:
         """``await`` form of :func:`capture_generation`: ``(completion, cache)`` for one prompt.
         Many may be in flight at once (they share the vLLM engine's batching)."""
         options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
-        return await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
-                                                      options=options, call="capture_generation_async", saes=saes))
+        return self._stamped(await self._execute_async(self.request(tokens, points, positions=positions, edits=edits,
+                                                                    options=options, call="capture_generation_async",
+                                                                    saes=saes)))
 
     async def capture(self, tokens, points, *, positions=None, edits=None, saes=None,
                       **sampling) -> dict[Address, torch.Tensor]:

@@ -25,7 +25,7 @@ import numbers
 import numpy as np
 import torch
 
-from .errors import InputError
+from .errors import InputError, shown
 
 _WORDS = ("prompt", "generated")
 _FORMS = ("None (all), an int or a list of ints (negative from the end of the prompt: -1 = last prompt token), "
@@ -64,15 +64,15 @@ def check_spec(positions):
         if isinstance(positions, slice):
             for bound in (positions.start, positions.stop, positions.step):
                 if bound is not None and as_int(bound) is None:
-                    raise InputError(f"positions={positions!r}: slice bounds must be ints or None")
+                    raise InputError(f"positions={shown(positions)}: slice bounds must be ints or None")
             positions = slice(*(None if b is None else as_int(b) for b in
                                 (positions.start, positions.stop, positions.step)))
             if positions.step == 0:
-                raise InputError(f"positions={positions!r}: a slice step cannot be zero")
+                raise InputError(f"positions={shown(positions)}: a slice step cannot be zero")
         return positions
     if isinstance(positions, str):
         if positions not in _WORDS:
-            raise InputError(f"unknown positions={positions!r}; positions may be {_FORMS}")
+            raise InputError(f"unknown positions={shown(positions)}; positions may be {_FORMS}")
         return positions
     if isinstance(positions, (torch.Tensor, np.ndarray)):
         ints = (not positions.is_floating_point() and positions.dtype != torch.bool
@@ -89,9 +89,9 @@ def check_spec(positions):
             raise InputError("positions=[] selects no position; pass None for all, or e.g. [-1] for the last")
         bad = [p for p in positions if as_int(p) is None]
         if bad:
-            raise InputError(f"positions must be ints, got {bad[0]!r} in {list(positions)!r}")
+            raise InputError(f"positions must be ints, got {shown(bad[0])} in {shown(list(positions))}")
         return [as_int(p) for p in positions]
-    raise InputError(f"positions={positions!r} ({type(positions).__name__}) is not understood; positions may be {_FORMS}")
+    raise InputError(f"positions={shown(positions)} ({type(positions).__name__}) is not understood; positions may be {_FORMS}")
 
 
 def resolve_row(spec, length: int, row: int | str = 0) -> tuple[int, ...]:
@@ -109,7 +109,7 @@ def resolve_row(spec, length: int, row: int | str = 0) -> tuple[int, ...]:
     for p in wanted:
         if not -length <= p < length:
             raise InputError(
-                f"positions={spec!r}: position {p} is out of range for {where}, which has {length} "
+                f"positions={shown(spec)}: position {p} is out of range for {where}, which has {length} "
                 f"tokens (valid: {-length}..{length - 1}; negative counts from the end of each prompt)"
             )
         out.append(p % length)
@@ -134,7 +134,7 @@ def resolve(spec, lengths: list[int], *, generating: bool = False, max_tokens: i
                          "fed back through the model. Use max_tokens >= 2, or positions=-1 for the last prompt token")
     for row, kept in enumerate(rows):
         if not kept and after[row] is None:
-            raise InputError(f"positions={spec!r} selects no position of batch row {row} ({lengths[row]} tokens); "
+            raise InputError(f"positions={shown(spec)} selects no position of batch row {row} ({lengths[row]} tokens); "
                              f"positions may be {_FORMS}")
     return Selection(rows, after, spec)
 
@@ -142,7 +142,7 @@ def resolve(spec, lengths: list[int], *, generating: bool = False, max_tokens: i
 def check_prompt(spec, length: int, where: str) -> None:
     """Raise unless ``spec`` keeps some position of a prompt of ``length`` tokens."""
     if spec is not None and spec != "generated" and not resolve_row(spec, length, where):
-        raise InputError(f"positions={spec!r} selects no position of {where} ({length} tokens); "
+        raise InputError(f"positions={shown(spec)} selects no position of {where} ({length} tokens); "
                          f"positions may be {_FORMS}")
 
 

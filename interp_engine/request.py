@@ -56,7 +56,8 @@ class Request:
     tokens: torch.Tensor
     points: Points
     positions: Selection | None = None
-    edits: dict[Address, Planned] | None = None
+    #: per address, its planned edits in the order they apply
+    edits: dict[Address, tuple[Planned, ...]] | None = None
     options: Sampling | None = None
     detach: bool = True
     #: the call's dictionaries with their feature points and edits (a features.plan.FeaturePlan;

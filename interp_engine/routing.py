@@ -13,7 +13,7 @@ import torch
 
 from .address import Address
 from .cache import Cache
-from .errors import RoutingError
+from .errors import RoutingError, shown
 
 
 def expert_assignment(
@@ -45,7 +45,7 @@ def expert_assignment(
     names = ("expert_weights", "expert_indices", "router_logits")
     weights_at, indices_at, logits_at = (Address(n, layer) for n in names)
     if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts <= 0:
-        raise RoutingError(f"n_experts must be a positive int (the model's expert count), got {n_experts!r}")
+        raise RoutingError(f"n_experts must be a positive int (the model's expert count), got {shown(n_experts)}")
     if weights_at in cache and indices_at in cache:
         indices, weights = cache[indices_at], cache[weights_at]
         if logits_at in cache:

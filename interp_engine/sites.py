@@ -66,6 +66,11 @@ SITES: dict[str, Site] = {
         Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True, fallback=_SELECTION),
         Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True, fallback=_SELECTION),
         Site("resid_streams", "[b, p, d_model]", "stream S of the residual after the layer", per_stream=True),
+        Site("final_norm", "[b, p, d_model]", "the final norm's output: what the unembedding reads",
+             per_layer=False),
         Site("logits", "[b, p, vocab]", "final logits", per_layer=False),
     ]
 }
+
+#: the model-level sites (no layer): every backend serves them, outside the per-family tables
+MODEL_LEVEL = frozenset(name for name, site in SITES.items() if not site.per_layer)

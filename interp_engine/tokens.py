@@ -14,7 +14,7 @@ first token the tokenizer's BOS whatever its default, ``prepend_bos=False`` leav
 from __future__ import annotations
 
 import torch
-from .errors import InputError
+from .errors import InputError, shown
 
 PAD_ID = -1
 
@@ -57,7 +57,7 @@ class Tokenizer:
             for i, t in enumerate(text):
                 if not isinstance(t, str):
                     raise InputError(f"to_tokens takes a string or a list of strings; item {i} is "
-                                     f"{type(t).__name__} ({t!r:.40})")
+                                     f"{type(t).__name__} ({shown(t)})")
             return pad_batch([self.encode(t, where=f"prompt {i}", prepend_bos=prepend_bos) for i, t in enumerate(text)])
         raise InputError(f"to_tokens takes a string or a list of strings, got {type(text).__name__}")
 
@@ -65,7 +65,7 @@ class Tokenizer:
         """Token ids of one prompt: special tokens as the tokenizer adds them (``prepend_bos=None``),
         or with a BOS forced on (``True``) or off (``False``)."""
         if not isinstance(text, str):
-            raise InputError(f"{where} must be a string, got {type(text).__name__} ({text!r:.40})")
+            raise InputError(f"{where} must be a string, got {type(text).__name__} ({shown(text)})")
         check_text(text, where)
         ids = list(self.hf(text, add_special_tokens=True)["input_ids"])
         bos = self.hf.bos_token_id

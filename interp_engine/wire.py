@@ -32,6 +32,7 @@ import torch
 
 from .address import Address, FeatureAddress, format_address, parse_address
 from .dtypes import as_bfloat16, bf16_bits, dtype_name
+from .edit_rows import one_row
 from .edits import EDITS, Add, Edit, Planned, Scale, Set, Zero
 from .errors import InputError, InternalError, RemoteError
 
@@ -129,9 +130,11 @@ def edit_for_worker(planned: Planned, row: int = 0) -> dict:
     """One planned edit as plain data for a vLLM worker: its kind, heads, numbers, float32 CPU
     tensors, the positions of ``row`` it applies to, and a digest (equal edits have equal digests;
     a worker applies them to all their rows at once)."""
-    edit = planned.edit
+    edit, positions, per_position = one_row(planned, row)
     out: dict = {"kind": type(edit).__name__.lower(), "heads": list(edit.heads) if edit.heads else None}
-    digest = hashlib.blake2b(repr((out["kind"], out["heads"])).encode(), digest_size=16)
+    if per_position:  # a value per edited position, in the order of ``positions``
+        out["per_position"] = True
+    digest = hashlib.blake2b(repr((out["kind"], out["heads"], per_position)).encode(), digest_size=16)
     if isinstance(edit, Add):
         out.update(vector=edit.vector.detach().to("cpu", torch.float32), shape=list(edit.vector.shape),
                    scale=edit.scale, norm_relative=edit.norm_relative)
@@ -146,7 +149,7 @@ def edit_for_worker(planned: Planned, row: int = 0) -> dict:
         digest.update(edit.value.contiguous().numpy().tobytes())
     out["digest"] = digest.hexdigest()
     sel = planned.selection
-    out["positions"] = None if sel is None else list(sel.rows[row])
+    out["positions"] = positions
     out["after"] = None if sel is None else sel.after[row]
     return out
 
@@ -176,7 +179,8 @@ class WorkerRequest:
     """What a vLLM worker is told about one engine request before it is first scheduled: the
     points to record (address strings, as the worker's site table names them), the prompt
     positions to keep (``positions``; every position from ``after`` on too; None: all rows) and
-    its edits (``{address: edit_for_worker(...)}``). Travels as :meth:`to_rpc`'s plain dict."""
+    its edits (``{address: [edit_for_worker(...), ...]}``, in the order they apply). Travels as
+    :meth:`to_rpc`'s plain dict."""
 
     points: tuple[str, ...] = ()
     positions: tuple[int, ...] | None = None
@@ -282,42 +286,66 @@ def dictionary_from_replica(data: dict):
     return dictionary_from_worker({**data, "tensors": {n: p.tensor() for n, p in data["tensors"].items()}})
 
 
-def edits_for_replica(planned: dict[Address, Planned] | None) -> dict | None:
-    """Checked edits as plain data for a cluster replica: numbers, numpy arrays, and the
-    positions spec as given (each replica resolves it against its own rows). No code."""
+def edits_for_replica(planned: dict[Address, tuple[Planned, ...]] | None) -> dict | None:
+    """Checked edits as plain data for a cluster replica: per address, its edits in the order they
+    apply (numbers, numpy arrays, and each positions spec as given: each replica resolves it
+    against its own rows). No code."""
     if not planned:
         return None
+    return {str(address): [_for_replica(address, p) for p in chain] for address, chain in planned.items()}
+
+
+def _for_replica(address: Address, p: Planned) -> dict:
+    if not isinstance(p.edit, EDITS):
+        raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
+                         f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
+    data = edit_for_worker(dataclasses.replace(p, per_row=0))
+    data.pop("per_position", None)
+    for key in ("vector", "value"):
+        if key in data:
+            data[key] = getattr(p.edit, key).numpy()
+            data["shape"] = list(data[key].shape)
+    data["positions"] = spec_to_json(p.edit.positions)
+    data["rows"] = p.per_row  # leading per-row axes: split with the rows (edits_for_rows)
+    data.pop("after")
+    return data
+
+
+def edits_for_rows(plain: dict | None, start: int, stop: int, width: int | None = None) -> dict | None:
+    """:func:`edits_for_replica`'s edits for rows ``start:stop`` of the batch: a value per row is
+    cut to those rows (and a value for every position to ``width``, the rows' own width where a
+    one-prompt replica runs a row unpadded)."""
+    if not plain:
+        return plain
     out = {}
-    for address, p in planned.items():
-        if not isinstance(p.edit, EDITS):
-            raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
-                             f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
-        if p.full:
-            raise InputError(f"edit on {address}: a Set with a whole [batch, pos, ...] value cannot be split over "
-                             f"cluster replicas; give one position's value with positions=, or run locally")
-        data = edit_for_worker(p)
-        for key in ("vector", "value"):
-            if key in data:
-                data[key] = getattr(p.edit, key).numpy()
-        data["positions"] = spec_to_json(p.edit.positions)
-        data.pop("after")
-        out[str(address)] = data
+    for point, chain in plain.items():
+        out[point] = []
+        for data in chain:
+            if data.get("rows"):
+                data = dict(data)
+                key = "vector" if "vector" in data else "value"
+                part = data[key][start:stop]
+                if data["rows"] == 2 and data["positions"] is None and width is not None:
+                    part = part[:, :width]
+                data[key], data["shape"] = part, list(part.shape)
+            out[point].append(data)
     return out
 
 
-def edits_from_replica(plain: dict | None) -> dict[str, Edit] | None:
+def edits_from_replica(plain: dict | None) -> dict[str, list[Edit]] | None:
     """The edits :func:`edits_for_replica` described, ready for ``edits=`` on the replica's model."""
     if not plain:
         return None
-    out = {}
-    for point, data in plain.items():
-        data = dict(data)
-        for key in ("vector", "value"):
-            if key in data:
-                data[key] = torch.from_numpy(data[key].copy())
-        edit = edit_from_worker({**data, "heads": data.get("heads")})
-        out[point] = dataclasses.replace(edit, positions=spec_from_json(data["positions"]))
-    return out
+    return {point: [_from_replica(data) for data in chain] for point, chain in plain.items()}
+
+
+def _from_replica(data: dict) -> Edit:
+    data = dict(data)
+    for key in ("vector", "value"):
+        if key in data:
+            data[key] = torch.from_numpy(data[key].copy())
+    edit = edit_from_worker({**data, "heads": data.get("heads")})
+    return dataclasses.replace(edit, positions=spec_from_json(data["positions"]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ def test_tutorial_runs_as_written(capsys):
     printed = capsys.readouterr().out
     assert namespace["answer"] == " Paris" and "top heads: L" in printed
     assert namespace["per_head"].shape == (30, 9)
+    assert namespace["recovered"].shape == (30, 5) and "the answer moves from ' France' to ' is' at layer" in printed
 
 
 def test_whole_site_on_smollm2_and_the_demo_lens_figure(tmp_path):

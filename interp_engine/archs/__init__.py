@@ -17,6 +17,7 @@ whose layers have Llama's module names is served on both backends by one ``model
 from __future__ import annotations
 
 from ..address import SITES, ModelInfo
+from ..sites import MODEL_LEVEL
 from . import dense, gpt, gpt_oss, hybrid, mla, moe, normed, streams
 from .base import LAYOUTS as LAYOUTS
 from .base import LOGITS as LOGITS
@@ -95,7 +96,7 @@ SAME_AS = {"resid_streams": "resid_post"}
 def unserved_sites(table: dict[str, Hook]) -> frozenset[str]:
     """The per-layer sites a backend whose reads are ``table`` cannot serve (the one rule for
     every backend; a backend adds what it finds unreadable at run time)."""
-    return frozenset(s for s in SITES if s != LOGITS and s not in table and SAME_AS.get(s) not in table)
+    return frozenset(s for s in SITES if s not in MODEL_LEVEL and s not in table and SAME_AS.get(s) not in table)
 
 
 def model_info(config, name: str, arch: Arch | None = None) -> ModelInfo:
@@ -121,7 +122,7 @@ def model_info(config, name: str, arch: Arch | None = None) -> ModelInfo:
         family=arch.family,
         n_streams=getattr(config, arch.streams_config) if arch.streams_config else 1,
         moe_layers=moe_layers(config) if n_experts else (),
-        sites=frozenset(arch.sites) | {"logits"},
+        sites=frozenset(arch.sites) | MODEL_LEVEL,
         refused=tuple(sorted(arch.refused.items())),
         layer_kinds=tuple(getattr(config, arch.layer_kinds)) if arch.layer_kinds else (),
         d_head_qk=next((getattr(config, n) for n in arch.d_head_qk_from if getattr(config, n, None)), 0),

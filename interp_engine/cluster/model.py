@@ -140,8 +140,8 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         self._weights: str | None = None
         self._o_proj: dict = {}
 
-    def __repr__(self) -> str:
-        return f"ClusterModel({self.name!r}, backend={self.backend!r}, replicas={len(self._replicas)})"
+    def _repr_extras(self) -> list[str]:
+        return [f"backend={self.backend!r}", f"replicas={len(self._replicas)}"]
 
     @property
     def replicas(self) -> int:

@@ -201,7 +201,7 @@ def _build(model, store: Store, source: PromptSource, scan, identity: dict, sele
     lease.check()
     write_manifest(store, manifest)
     return ActivationDataset(where(store), manifest, rows, n_shards, scan.count, scan.tokens, seconds, len(good),
-                             tuple(repaired), store, phases)
+                             tuple(repaired), store, phases, new_tokens)
 
 
 def _run_shards(model, spec: ShardSpec, source: PromptSource, done: set[int]) -> Iterator[ShardStats]:

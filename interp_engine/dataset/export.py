@@ -23,29 +23,15 @@ import pyarrow.parquet as pq
 from ..address import parse_address
 from .columns import to_numpy
 from ..errors import InputError
-
-#: our site name -> TransformerLens hook name (``{L}`` is the layer)
-TL_HOOKS = {
-    "resid_pre": "blocks.{L}.hook_resid_pre",
-    "resid_mid": "blocks.{L}.hook_resid_mid",
-    "resid_post": "blocks.{L}.hook_resid_post",
-    "attn_out": "blocks.{L}.hook_attn_out",
-    "mlp_out": "blocks.{L}.hook_mlp_out",
-    "mlp_post": "blocks.{L}.mlp.hook_post",
-    "z": "blocks.{L}.attn.hook_z",
-    "q": "blocks.{L}.attn.hook_q",
-    "k": "blocks.{L}.attn.hook_k",
-    "v": "blocks.{L}.attn.hook_v",
-}
-
+from ..tl_names import TL_HOOKS, tl_name
 
 def tl_hook_name(point: str) -> str:
     """The TransformerLens hook name of ``point`` (``resid_post.10`` -> ``blocks.10.hook_resid_post``)."""
     address = parse_address(point)
-    if address.name not in TL_HOOKS or address.layer is None or address.stream is not None:
+    if address.name not in TL_HOOKS or address.layer is None:
         raise InputError(f"point {point!r} has no TransformerLens hook name; SAELens exports take one of "
-                         f"{', '.join(f'{n}.L' for n in TL_HOOKS)}")
-    return TL_HOOKS[address.name].format(L=address.layer)
+                         f"{', '.join(f'{n}.L' for n, t in TL_HOOKS.items() if '{L}' in t)}")
+    return tl_name(address)
 
 
 def export_saelens(dataset, out_dir, point: str, context_size: int, *, dtype: str = "float32",
@@ -53,7 +39,7 @@ def export_saelens(dataset, out_dir, point: str, context_size: int, *, dtype: st
     """Write ``point`` of ``dataset`` as a SAELens cached-activations folder at ``out_dir``."""
     import datasets as hf
 
-    point = str(point)
+    point = str(parse_address(str(point)))  # a TransformerLens name reads as the same point
     hook = tl_hook_name(point)
     if point not in dataset.manifest["identity"]["points"]:
         raise InputError(f"point {point!r} is not in this dataset; it holds {', '.join(dataset.manifest['identity']['points'])}")

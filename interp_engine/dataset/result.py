@@ -24,7 +24,7 @@ from .shard import read_tensor, shard_name
 from .store import Store
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ActivationDataset:
     """A finished dataset: where it is, what it holds, and how it was built.
 
@@ -45,6 +45,14 @@ class ActivationDataset:
     #: seconds the shards this build wrote spent in each phase, summed over shards (``capture``,
     #: ``encode``, ``hash``, ``write``, ``waiting``; they overlap across shards) and their ``bytes``
     phases: dict = dataclasses.field(default_factory=dict, compare=False)
+    #: tokens of the shards this build wrote itself (the rest were resumed); None: all of them
+    built_tokens: int | None = dataclasses.field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        points = self.manifest.get("identity", {}).get("points", [])
+        shown = ", ".join(points[:4]) + (f", ... ({len(points)} points)" if len(points) > 4 else "")
+        return (f"ActivationDataset({str(self.path)!r}, {self.rows} rows, {self.shards} shards, "
+                f"points: {shown or 'none'})")
 
     @classmethod
     def open(cls, output, *, filesystem=None, verify: bool = False) -> "ActivationDataset":
@@ -141,9 +149,17 @@ class ActivationDataset:
         return read_sparse(table.column(f"{name}.ids"), table.column(f"{name}.values"), width)
 
     def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds else float("nan")
-        return (f"{self.rows} rows in {self.shards} shards ({self.prompts} prompts, {self.tokens} tokens, "
-                f"{rate:.0f} tokens/s) at {self.path}")
+        """One line: what the dataset holds, and how fast this build wrote what it wrote (a resumed
+        build's rate counts only the shards it wrote, not those an earlier run left)."""
+        done = self.tokens if self.built_tokens is None else self.built_tokens
+        rate = f"{done / self.seconds:.0f} tokens/s" if self.seconds and done else "no tokens/s"
+        if not self.resumed_shards:
+            return (f"{self.rows} rows in {self.shards} shards ({self.prompts} prompts, {self.tokens} tokens, "
+                    f"{rate}) at {self.path}")
+        written = self.shards - self.resumed_shards
+        return (f"{self.rows} rows in {self.shards} shards ({self.resumed_shards} resumed from an earlier run, "
+                f"{written} written now; {self.prompts} prompts, {self.tokens} tokens; {rate} over the {done} "
+                f"tokens written now) at {self.path}")
 
 
 def point_name(point) -> str:

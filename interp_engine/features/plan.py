@@ -70,9 +70,9 @@ class FeaturePlan:
         is sent as ``edits=``, with the dictionaries, to plan again)."""
         out = {}
         for a in self.attached:
-            out.update({p.address: p for p in a.feature_edits})
+            out.update({p.address: (p,) for p in a.feature_edits})
             if a.error_edit is not None:
-                out[a.error_edit.address] = a.error_edit
+                out[a.error_edit.address] = (a.error_edit,)
         return out
 
 
@@ -150,6 +150,11 @@ def plan_features(addresses: list, edits: dict, saes, info: ModelInfo, tokens: t
             e["error"] = True
     for key, edit in edits.items():
         point = to_address(key)
+        if isinstance(edit, (list, tuple)):  # the list form (a replica receives every edit as one)
+            if len(edit) != 1:
+                raise InputError(f"edits on {point}: a feature point takes one edit (a list of edits applies in "
+                                 f"order on a model's own addresses), got {len(edit)}")
+            (edit,) = edit
         d = serving(point)
         planned = _plan_edit(point, edit, d, tokens, lengths, generating, max_tokens)
         e = entry(d)

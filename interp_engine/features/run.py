@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ..address import Address, FeatureAddress
-from ..edits import Planned, Transform, edit_activation
+from ..edits import Planned, Transform, edit_activation, edit_chain
 from ..errors import InternalError
 from .dictionary import Dictionary
 from .plan import Attached, FeaturePlan
@@ -129,14 +129,15 @@ class SiteTransform(Transform):
     """Everything the call's dictionaries do at one site, in forward order: a plain edit of the
     site first, then each dictionary's step (a transcoder writing here before one reading here)."""
 
-    def __init__(self, plain: Planned | None, steps: list[tuple[DictionaryStep, str]], run: "FeatureRun"):
+    def __init__(self, plain: tuple[Planned, ...] | None, steps: list[tuple[DictionaryStep, str]],
+                 run: "FeatureRun"):
         self.plain = plain
         self.steps = steps
         self.run = run
 
     def edit_at(self, tensor: torch.Tensor, start: int) -> torch.Tensor:
         if self.plain is not None:
-            tensor = edit_activation(self.plain, tensor, start)
+            tensor = edit_chain(self.plain, tensor, start)
         for state, phase in self.steps:
             tensor = state.step(phase, tensor, start, self.run.sink)
         return tensor
@@ -157,12 +158,12 @@ class FeatureRun:
         self.sink = sink
         self.states = [DictionaryStep(a, place(a.dictionary, device), device) for a in plan.attached]
 
-    def edits(self, plain: dict[Address, Planned] | None) -> dict[Address, Planned]:
+    def edits(self, plain: dict[Address, tuple[Planned, ...]] | None) -> dict[Address, tuple[Planned, ...]]:
         """The call's plain edits with a :class:`SiteTransform` at every site a dictionary works at
-        (a plain edit of that site runs inside it, first)."""
+        (the plain edits of that site run inside it, first, in their order)."""
         out = dict(plain or {})
         for site, todo in steps_at(self.states).items():
-            out[site] = Planned(site, SiteTransform(out.get(site), todo, self))
+            out[site] = (Planned(site, SiteTransform(out.get(site), todo, self)),)
         return out
 
 

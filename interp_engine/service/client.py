@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..batching import join_captured, split_rows
+from ..batching import join_captured, split_with_edits
 from ..wire import unpack_dict
 from ..cache import Cache
 from ..wire import edits_for_replica
@@ -74,8 +74,9 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         return {"weights_sha256": self._weights, "model_dtype": self.dtype}
 
     # -- the calls ------------------------------------------------------------------------------
-    def _pieces(self, tokens) -> list[np.ndarray]:
-        return split_rows(tokens.numpy(), self._replica_batched, int(self.service.get("replicas", 1)))
+    def _pieces(self, tokens, edits) -> list[tuple[np.ndarray, dict | None]]:
+        """The rows each call carries, with the edits cut to them (a value per row goes with its row)."""
+        return split_with_edits(tokens.numpy(), self._replica_batched, int(self.service.get("replicas", 1)), edits)
 
     def _map(self, fn, pieces: list) -> list:
         if len(pieces) == 1:
@@ -96,7 +97,8 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         if request.options is not None:
             return self._completion(self.transport.generate(request.tokens.numpy(), points,
                                                             dataclasses.asdict(request.options), spec, edits))
-        parts = self._map(lambda rows: self.transport.run(rows, points, spec, edits), self._pieces(request.tokens))
+        parts = self._map(lambda piece: self.transport.run(piece[0], points, spec, piece[1]),
+                          self._pieces(request.tokens, edits))
         return self._cache(join_captured(parts, request.tokens.numpy(), request.positions is not None), request.tokens)
 
     async def _execute_async(self, request: Request):

@@ -75,7 +75,8 @@ class CaptureRequest(BaseModel):
     points: list[str] = Field(description="addresses ('resid_post.10') or site names ('resid_post': every layer)")
     positions: Positions = Field(None, description="positions to keep: an int, a list, 'prompt', 'generated' "
                                                    "or {'slice': [start, stop, step]}; null keeps all")
-    edits: dict[str, EditJSON] | None = None
+    edits: dict[str, EditJSON | list[EditJSON]] | None = Field(
+        None, description="address -> an edit, or a list of edits applied in order")
 
 
 class GenerateRequest(CaptureRequest):
@@ -272,8 +273,9 @@ def _parsed(owner, body: CaptureRequest):
     positions = check_spec(positions)
     edits = None
     if body.edits:
-        edits = http_wire.edits_from_json({k: v.model_dump() for k, v in body.edits.items()})
-        for item in edits.values():
+        edits = http_wire.edits_from_json({k: [e.model_dump() for e in v] if isinstance(v, list) else v.model_dump()
+                                           for k, v in body.edits.items()})
+        for item in (item for chain in edits.values() for item in chain):
             if isinstance(item.get("positions"), dict):  # SliceJSON dumped
                 item["positions"] = {"slice": list(item["positions"]["slice"])}
     return tokens, points, positions, edits

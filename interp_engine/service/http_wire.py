@@ -57,39 +57,44 @@ def tensor_from_json(data: dict) -> np.ndarray:
 
 # -- edits and positions as JSON ----------------------------------------------------------------
 def edits_to_json(plain: dict | None) -> dict | None:
-    """Checked edits in their plain form (:func:`interp_engine.wire.edits_for_replica`) as JSON."""
+    """Checked edits in their plain form (:func:`interp_engine.wire.edits_for_replica`: per
+    address, its edits in order) as JSON: per address, a list of edit objects."""
     if not plain:
         return None
-    out = {}
-    for point, data in plain.items():
-        item = {"kind": data["kind"], "heads": data.get("heads"), "positions": data.get("positions")}
-        for key in ("scale", "norm_relative", "factor"):
-            if key in data:
-                item[key] = data[key]
-        for key in ("vector", "value"):
-            if key in data:
-                item[key] = tensor_to_json(data[key])
-        out[point] = item
-    return out
+    return {point: [_edit_to_json(data) for data in chain] for point, chain in plain.items()}
+
+
+def _edit_to_json(data: dict) -> dict:
+    item = {"kind": data["kind"], "heads": data.get("heads"), "positions": data.get("positions")}
+    for key in ("scale", "norm_relative", "factor"):
+        if key in data:
+            item[key] = data[key]
+    for key in ("vector", "value"):
+        if key in data:
+            item[key] = tensor_to_json(data[key])
+    return item
 
 
 def edits_from_json(edits: dict | None) -> dict | None:
-    """The plain form (:func:`interp_engine.wire.edits_from_replica` reads it) of JSON edits."""
+    """The plain form (:func:`interp_engine.wire.edits_from_replica` reads it) of JSON edits: per
+    address one edit object, or a list of them applied in order."""
     if not edits:
         return None
-    out = {}
-    for point, item in edits.items():
-        data = {"kind": item["kind"], "heads": item.get("heads"), "positions": item.get("positions")}
-        if item["kind"] == "add":
-            data.update(scale=item.get("scale", 1.0), norm_relative=item.get("norm_relative", False))
-        if item["kind"] == "scale":
-            data["factor"] = item.get("factor")
-        for key in ("vector", "value"):
-            if item.get(key) is not None:
-                data[key] = tensor_from_json(item[key])
-                data["shape"] = list(data[key].shape)
-        out[point] = data
-    return out
+    return {point: [_edit_from_json(item) for item in (chain if isinstance(chain, list) else [chain])]
+            for point, chain in edits.items()}
+
+
+def _edit_from_json(item: dict) -> dict:
+    data = {"kind": item["kind"], "heads": item.get("heads"), "positions": item.get("positions")}
+    if item["kind"] == "add":
+        data.update(scale=item.get("scale", 1.0), norm_relative=item.get("norm_relative", False))
+    if item["kind"] == "scale":
+        data["factor"] = item.get("factor")
+    for key in ("vector", "value"):
+        if item.get(key) is not None:
+            data[key] = tensor_from_json(item[key])
+            data["shape"] = list(data[key].shape)
+    return data
 
 
 # -- capture responses as safetensors -----------------------------------------------------------

@@ -62,14 +62,15 @@ def test_edits_on_an_eager_cluster_equal_local(cluster_llama, eager_models):
     assert_near(got_cache["logits"], want_cache["logits"], "cluster generation with edits", 1e-5)
 
 
-def test_cluster_refuses_code_and_whole_batch_values(cluster_llama, eager_models):
+def test_cluster_refuses_code_and_splits_whole_batch_values(cluster_llama, eager_models):
     local = eager_models("llama")
     tokens = local.tok.to_tokens(PROMPTS)
     with pytest.raises(InputError, match="cannot be sent to cluster replicas"):
         run_with_cache(cluster_llama, tokens, ["logits"], edits={"resid_post.1": lambda t, a: t})
-    whole = torch.zeros(tokens.shape[0], tokens.shape[1], local.d_model)
-    with pytest.raises(InputError, match="cannot be split over cluster replicas"):
-        run_with_cache(cluster_llama, tokens, ["logits"], edits={"resid_pre.0": Set(whole)})
+    whole = torch.randn(tokens.shape[0], tokens.shape[1], local.d_model, generator=torch.Generator().manual_seed(1))
+    got = run_with_cache(cluster_llama, tokens, ["logits"], edits={"resid_pre.0": Set(whole)})  # split with the rows
+    want = run_with_cache(local, tokens, ["logits"], edits={"resid_pre.0": Set(whole)})
+    assert_near(got["logits"], want["logits"], "a whole-batch Set over replicas", 1e-5)
     with pytest.raises(InputError, match="out of range"):
         run_with_cache(cluster_llama, tokens, ["logits"], edits={"resid_pre.0": Zero(positions=[6])})
     got = run_with_cache(cluster_llama, tokens, ["logits"])

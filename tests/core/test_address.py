@@ -52,8 +52,9 @@ def test_checked_against_model():
     assert check_points(["resid_post.3", "logits"], INFO, EAGER) == [Address("resid_post", 3), Address("logits")]
     with pytest.raises(AddressError, match=r"layers 0\.\.3"):
         check_points(["resid_post.4"], INFO, EAGER)
-    with pytest.raises(AddressError, match=r"layers 0\.\.3"):
-        check_points(["resid_post.-1"], INFO, EAGER)
+    assert check_points(["resid_post.-1", ("z", -4)], INFO, EAGER) == [Address("resid_post", 3), Address("z", 0)]
+    with pytest.raises(AddressError, match=r"layers 0\.\.3.*-1 is layer 3, -4 is layer 0"):
+        check_points(["resid_post.-5"], INFO, EAGER)
     with pytest.raises(AddressError, match="single residual stream"):
         check_points(["resid_streams.0.1"], INFO, EAGER)
     with pytest.raises(AddressError, match="dense model.*valid sites: resid_pre"):

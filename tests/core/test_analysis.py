@@ -98,8 +98,8 @@ def test_whole_sites_filters_and_points(model):
     info = model.info
     assert model.points("resid_post") == [Address("resid_post", L) for L in range(info.n_layers)]
     everything = model.points()
-    assert everything[-1].name == "logits" and [a.layer for a in everything[:-1]] == sorted(
-        a.layer for a in everything[:-1])
+    assert [a.name for a in everything[-2:]] == ["final_norm", "logits"]
+    assert [a.layer for a in everything[:-2]] == sorted(a.layer for a in everything[:-2])
     tokens = model.to_tokens("sites")
     cache = run_with_cache(model, tokens, ["resid_post", "resid_streams.1", lambda a: a.name == "z" and a.layer > 0])
     assert [str(a) for a in cache] == ([f"resid_post.{L}" for L in range(info.n_layers)] + ["resid_streams.1.0"]

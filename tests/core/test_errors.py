@@ -41,7 +41,8 @@ def still_serves(model):
 BAD = [
     ("unknown site", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_psot.1"]), AddressError, "known sites"),
     ("layer too big", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_post.3"]), AddressError, r"layers 0\.\.2"),
-    ("negative layer", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_post.-1"]), AddressError, r"layers 0\.\.2"),
+    ("negative layer past the first", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_post.-4"]), AddressError,
+     r"layers 0\.\.2.*-3 is layer 0"),
     ("stream on dense", lambda m: run_with_cache(m, m.to_tokens("a"), ["resid_streams.1.1"]), AddressError, "only stream 0"),
     ("detach without grad", lambda m: run_with_cache(m, m.to_tokens("a"), GOOD, detach=False), InputError, "requires_grad=True"),
     ("empty prompt", lambda m: run_with_cache(m, torch.zeros(1, 0, dtype=torch.long), GOOD), InputError, "empty prompt"),

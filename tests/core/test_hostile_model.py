@@ -70,18 +70,18 @@ ANALYSIS_CASES = {
     "attribution without the final resid_post": (
         lambda m, c: logit_attribution(m, run_with_cache(m, c["full"].tokens, ["resid_pre.0", "attn_out", "mlp_out"]),
                                        7), MissingActivations, r"needs resid_post.2.*final residual stream"),
-    "decompose at a negative layer": (
-        lambda m, c: decompose_resid(c["full"], layer=-3), AnalysisError,
-        r"layer=-3 is negative, and negative layers are not accepted here yet; pass a layer in 0\.\.3"),
+    "decompose past the first layer from the end": (
+        lambda m, c: decompose_resid(c["full"], layer=-5), AnalysisError,
+        r"layer=-5 is out of range: layers are 0\.\.3 \(3 = the final resid_post; -1 = 3, -4 = 0\)"),
     "decompose past the last layer": (
         lambda m, c: decompose_resid(c["full"], layer=100), AnalysisError,
-        r"layer=100 is out of range: layers are 0\.\.3 \(3 = the final resid_post\)"),
+        r"layer=100 is out of range: layers are 0\.\.3 \(3 = the final resid_post;"),
     "decompose at a bool layer": (
         lambda m, c: decompose_resid(c["full"], layer=True), AnalysisError, r"layer must be an int.*got True \(bool\)"),
     "accumulated at a bool layer": (
         lambda m, c: accumulated_resid(c["full"], layer=True), AnalysisError, r"layer must be an int.*got True"),
-    "accumulated at a negative layer": (
-        lambda m, c: accumulated_resid(c["full"], layer=-1), AnalysisError, r"negative layers are not accepted"),
+    "accumulated before the first layer from the end": (
+        lambda m, c: accumulated_resid(c["full"], layer=-5), AnalysisError, r"layer=-5 is out of range.*-4 = 0"),
     "accumulated past the end": (
         lambda m, c: accumulated_resid(c["full"], layer=4, model=m), AnalysisError,
         r"layer=4 is out of range: layers are 0\.\.3.*has 3 layers"),
@@ -116,13 +116,14 @@ ANALYSIS_CASES = {
         r"components is 256 wide"),
     "lens over no layers": (
         lambda m, c: logit_lens(m, c["full"], layers=[]), AnalysisError,
-        r"layers=\[\] names no layer; pass None for every layer whose resid_post this cache holds \(\[0, 1, 2\]\)"),
+        r"layers=\[\] names no layer; pass None for every layer the cache holds"),
     "lens top over no layers": (
         lambda m, c: lens_top(m, c["full"], layers=[]), AnalysisError, r"layers=\[\] names no layer"),
-    "lens with an int for layers": (
-        lambda m, c: logit_lens(m, c["full"], layers=2), AnalysisError, r"layers must be a list of layers"),
-    "lens at a negative layer": (
-        lambda m, c: logit_lens(m, c["full"], layers=[-1]), AnalysisError, r"negative layers are not accepted"),
+    "lens with an address for layers": (
+        lambda m, c: logit_lens(m, c["full"], layers="resid_post.2"), AnalysisError,
+        r"layers takes layer numbers, got the string 'resid_post.2'.*cache\['resid_post.2'\]"),
+    "lens before the first layer from the end": (
+        lambda m, c: logit_lens(m, c["full"], layers=[-4]), AnalysisError, r"layer=-4 is out of range.*-3 = 0"),
     "lens past the last layer": (
         lambda m, c: logit_lens(m, c["full"], layers=[3]), AnalysisError,
         r"layer=3 is out of range: layers are 0\.\.2"),
@@ -134,8 +135,8 @@ ANALYSIS_CASES = {
         lambda m, c: accumulated_resid(c["other"], apply_ln=True, model=m), AnalysisError, r"is 256 wide"),
     "head contributions past the last layer": (
         lambda m, c: head_contributions(m, c["full"], 3), AnalysisError, r"layer=3 is out of range: layers are 0\.\.2"),
-    "head contributions at a negative layer": (
-        lambda m, c: head_contributions(m, c["full"], -1), AnalysisError, r"negative layers are not accepted"),
+    "head contributions before the first layer from the end": (
+        lambda m, c: head_contributions(m, c["full"], -4), AnalysisError, r"layer=-4 is out of range"),
     "head contributions without z": (
         lambda m, c: head_contributions(m, c["posts"], 1), MissingActivations, r"needs z.1.*capture it"),
 }

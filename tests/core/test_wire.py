@@ -54,19 +54,37 @@ def test_an_edit_from_a_list_is_refused_at_the_worker():
 
 def test_edits_to_a_replica_come_back_equal():
     vector = torch.randn(8, generator=torch.Generator().manual_seed(1))
-    edits = {a: Planned(a, e) for a, e in [(parse_address("resid_post.2"), Add(vector, 0.5, positions=slice(1, None))),
-                                           (parse_address("mlp_out.0"), Scale(3.0, positions=[0, -1])),
-                                           (parse_address("z.1"), Zero(heads=(1,)))]}
+    edits = {a: (Planned(a, e),) for a, e in [(parse_address("resid_post.2"), Add(vector, 0.5, positions=slice(1, None))),
+                                              (parse_address("mlp_out.0"), Scale(3.0, positions=[0, -1])),
+                                              (parse_address("z.1"), Zero(heads=(1,)))]}
+    z = parse_address("z.1")
+    edits[z] = (*edits[z], Planned(z, Scale(2.0)))  # a list of edits on one address keeps its order
     back = edits_from_replica(edits_for_replica(edits))
     assert set(back) == {"resid_post.2", "mlp_out.0", "z.1"}
-    assert torch.equal(back["resid_post.2"].vector, vector) and back["resid_post.2"].positions == slice(1, None)
-    assert back["mlp_out.0"].factor == 3.0 and back["mlp_out.0"].positions == [0, -1]
-    assert back["z.1"].heads == (1,)
+    assert torch.equal(back["resid_post.2"][0].vector, vector) and back["resid_post.2"][0].positions == slice(1, None)
+    assert back["mlp_out.0"][0].factor == 3.0 and back["mlp_out.0"][0].positions == [0, -1]
+    assert back["z.1"][0].heads == (1,) and back["z.1"][1].factor == 2.0 and len(back["z.1"]) == 2
 
 
 def test_a_function_edit_never_reaches_a_replica():
     with pytest.raises(InputError, match="Python function cannot be sent"):
-        edits_for_replica({parse_address("resid_post.0"): Planned(parse_address("resid_post.0"), lambda x: x)})
+        edits_for_replica({parse_address("resid_post.0"): (Planned(parse_address("resid_post.0"), lambda x: x),)})
+
+
+def test_values_per_row_are_cut_with_the_rows():
+    """A batched-patching value travels whole to the coordinator, which cuts it with the rows of
+    each replica's shard (and a value for every position to a one-prompt replica's own width)."""
+    from interp_engine.wire import edits_for_rows
+
+    a = parse_address("resid_post.0")
+    per_row = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3, 4, 2)
+    plain = edits_for_replica({a: (Planned(a, Set(per_row), per_row=2), Planned(a, Scale(2.0)))})
+    assert plain["resid_post.0"][0]["rows"] == 2 and plain["resid_post.0"][1]["rows"] == 0
+    middle = edits_for_rows(plain, 1, 2, width=3)
+    cut = edits_from_replica(middle)["resid_post.0"]
+    assert torch.equal(cut[0].value, per_row[1:2, :3]) and cut[1].factor == 2.0
+    assert torch.equal(edits_from_replica(edits_for_rows(plain, 0, 2))["resid_post.0"][0].value, per_row[:2])
+    assert plain["resid_post.0"][0]["value"].shape == (3, 4, 2)  # the original is left whole
 
 
 def test_a_dictionary_and_its_work_cross_as_tensors_and_come_back_equal():

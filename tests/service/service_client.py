@@ -41,8 +41,10 @@ def request(model, i: int):
                                            edits={"resid_post.0": Add(vector, scale=2.0)}))
     if kind == 3:
         batch = model.to_tokens([prompt, PROMPTS[(i + 3) % len(PROMPTS)]])
+        per_row = torch.randn(2, model.d_model, generator=torch.Generator().manual_seed(i))  # batched patching
         return None, _plain(run_with_cache(model, batch, ["logits", "mlp_out.1"], positions=-1,
-                                           edits={"z.1": Zero(heads=[1])}))
+                                           edits={"z.1": Zero(heads=[1]),
+                                                  "resid_post.0": [Scale(0.5), Add(per_row, positions=[0])]}))
     if kind == 4:
         completion, cache = capture_generation(model, one, ["resid_post.1"], max_tokens=3, positions="generated",
                                                edits={"mlp_out.0": Scale(0.5)})

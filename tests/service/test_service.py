@@ -316,7 +316,7 @@ def test_a_full_queue_answers_503_and_clients_back_off(cluster, tiny_path, eager
 
 def test_a_model_that_cannot_load_fails_serve_with_its_error(cluster, tmp_path):
     started = time.monotonic()
-    with pytest.raises(ServiceError, match=r"ModelNotFound: .*is not a local folder"):
+    with pytest.raises(ServiceError, match=r"ModelNotFound: .*no such folder"):
         serve(str(tmp_path / "missing"), name="missing", **REPLICA)
     assert time.monotonic() - started < 120
     with pytest.raises(ServiceError, match="no service 'missing'"):

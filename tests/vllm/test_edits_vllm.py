@@ -188,7 +188,7 @@ def test_edits_reach_the_worker_as_tensors(models, monkeypatch):
     register = vllm_edits.EditBook.register
 
     def spy(self, rid, edits):
-        seen.extend(edits.values())
+        seen.extend(data for chain in edits.values() for data in chain)
         return register(self, rid, edits)
 
     monkeypatch.setattr(vllm_edits.EditBook, "register", spy)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from interp_engine.edits import edit_activation
+from interp_engine.edits import edit_chain
 
 
 class AttentionEditor:
@@ -23,7 +23,7 @@ class AttentionEditor:
         self.planned = {a.name: recorder.edits[a] for a in addresses}
 
     def _edit(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return edit_activation(self.planned[name], tensor.transpose(1, 2), self.recorder.start).transpose(1, 2)
+        return edit_chain(self.planned[name], tensor.transpose(1, 2), self.recorder.start).transpose(1, 2)
 
     def inputs(self, query, key, value):
         q_len = query.shape[2]

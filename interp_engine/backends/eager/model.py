@@ -42,7 +42,7 @@ class EagerModel(CaptureModel):
         "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v", "pattern", "resid_streams"}),
-        function_edits=True, whole_value_edits=True, takes_device=True, features=True)
+        function_edits=True, takes_device=True, features=True)
 
     @classmethod
     def capabilities_for(cls, hf_config) -> Capabilities:
@@ -62,6 +62,11 @@ class EagerModel(CaptureModel):
             hf = hf.to(device)
         return cls(hf, AutoTokenizer.from_pretrained(path), name, requires_grad=requires_grad)
 
+    @classmethod
+    def from_module(cls, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False) -> "EagerModel":
+        """Wrap a transformers model already in memory, as it is (``model.hf`` is ``hf_model``)."""
+        return cls(hf_model, hf_tokenizer, name, requires_grad=requires_grad)
+
     def __init__(self, hf_model, hf_tokenizer, name: str, *, requires_grad: bool = False):
         self.hf = hf_model.eval()
         self.dtype = dtype_name(hf_model.dtype)
@@ -76,6 +81,9 @@ class EagerModel(CaptureModel):
         self._dictionaries = Placed()
         wrapped = attention.EAGER if attention.implementation(self.hf) == "eager" else attention.SDPA
         attention.set_implementation(self.hf, wrapped)
+
+    def _repr_extras(self) -> list[str]:
+        return [str(self.device)] + (["requires_grad"] if self.requires_grad else [])
 
     @property
     def device(self) -> torch.device:
@@ -141,9 +149,10 @@ class EagerModel(CaptureModel):
         positions, edits = request.positions, request.edits
         mask = tokens >= 0
         want_logits = Address("logits") in addresses
+        whole = any(a.layer is None for a in addresses)  # the logits or the final norm: every layer runs
         with self._lock, self._grad_context(detach):
             cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs
-            with self._recorder(addresses, detach=detach, stop_early=not want_logits,
+            with self._recorder(addresses, detach=detach, stop_early=not whole,
                                 positions=positions, edits=edits, features=request.features) as recorder:
                 try:
                     out = self.hf(

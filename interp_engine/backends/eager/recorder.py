@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from interp_engine.address import Address, ModelInfo
 from interp_engine.archs import Arch, group_sites
 from interp_engine.archs.base import layer_module
-from interp_engine.edits import Planned, edit_activation
+from interp_engine.edits import Planned, edit_chain
 from interp_engine.positions import Selection, gather_positions
 from . import attention
 from .attention_edits import AttentionEditor
@@ -48,6 +48,9 @@ def _on_device(planned: Planned, device: torch.device) -> Planned:
     for name, value in tensors.items():
         object.__setattr__(moved, name, value.to(device))  # the edit types are frozen
     return dataclasses.replace(planned, edit=moved)
+
+
+FINAL_NORM = Address("final_norm")
 
 
 class StopForward(Exception):
@@ -80,7 +83,7 @@ _STREAM_VIEWS = {
 class Recorder:
     def __init__(self, hf_model, arch: Arch, info: ModelInfo, addresses: list[Address], *, detach: bool,
                  stop_early: bool = False, positions: Selection | None = None,
-                 edits: dict[Address, Planned] | None = None):
+                 edits: dict[Address, tuple[Planned, ...]] | None = None):
         self.hf = hf_model
         self.arch = arch
         self.info = info
@@ -96,7 +99,7 @@ class Recorder:
         self.start = 0
         self._index: tuple | None = None
         device = next(hf_model.parameters()).device
-        self.edits = {a: _on_device(p, device) for a, p in (edits or {}).items()}
+        self.edits = {a: tuple(_on_device(p, device) for p in chain) for a, chain in (edits or {}).items()}
         # hook key -> the edits applied there, in forward order; layer -> its (edited) input
         self._edit_at: dict[tuple, list[Address]] = defaultdict(list)
         self._stash: dict[tuple, int] = {}
@@ -179,6 +182,10 @@ class Recorder:
             else:
                 handle = module.register_forward_hook(self._output_hook(key, addresses))
                 self._stack.callback(handle.remove)
+        if FINAL_NORM in self._wanted:  # the final norm's output, what the unembedding reads
+            norm = self.hf.get_submodule(self.arch.final_norm)
+            handle = norm.register_forward_hook(lambda module, args, out: self.keep(FINAL_NORM, out))
+            self._stack.callback(handle.remove)
         if any(h.layout == "(b p) ..." for h in self._hooks.values()):
             handle = self.hf.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
             self._stack.callback(handle.remove)
@@ -208,30 +215,30 @@ class Recorder:
     def _edit(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` after the edits applied at hook ``key`` (the same tensor when there are none)."""
         for address in self._edit_at.get(key, ()):
-            planned = self.edits[address]
+            chain = self.edits[address]
             if address.name == "resid_mid":
                 pre = self._resid_pre[address.layer]
-                tensor = edit_activation(planned, pre + tensor, self.start) - pre
+                tensor = edit_chain(chain, pre + tensor, self.start) - pre
             elif address.name == "z":
                 heads = split_heads(address.name, tensor, self.info)
-                tensor = edit_activation(planned, heads, self.start).flatten(-2)
+                tensor = edit_chain(chain, heads, self.start).flatten(-2)
             elif address.name == "resid_streams":
-                tensor = self._edit_stream(planned, tensor)
+                tensor = self._edit_stream(address, chain, tensor)
             else:
-                tensor = edit_activation(planned, tensor, self.start)
+                tensor = edit_chain(chain, tensor, self.start)
         if key in self._stash:
             self._resid_pre[self._stash[key]] = tensor
         return tensor
 
-    def _edit_stream(self, planned: Planned, tensor: torch.Tensor) -> torch.Tensor:
+    def _edit_stream(self, address: Address, chain: tuple[Planned, ...], tensor: torch.Tensor) -> torch.Tensor:
         """Edit one stream of a layer's multi-stream output, in the table's layout (a single-stream
         model's only stream is the output itself)."""
-        layout, s = self.arch.sites["resid_streams"].layout, planned.address.stream
+        layout, s = self.arch.sites["resid_streams"].layout, address.stream
         if not layout:
-            return edit_activation(planned, tensor, self.start)
+            return edit_chain(chain, tensor, self.start)
         to_bpsd, from_bpsd = _STREAM_VIEWS[layout]
         streams = to_bpsd(tensor, self.info.n_streams)
-        edited = edit_activation(planned, streams[:, :, s], self.start)
+        edited = edit_chain(chain, streams[:, :, s], self.start)
         out = streams.clone()
         out[:, :, s] = edited
         return from_bpsd(out)

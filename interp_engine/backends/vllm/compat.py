@@ -214,3 +214,21 @@ def shutdown_engine(llm, *, keep_distributed: bool) -> None:
     if core.scheduler:
         core.scheduler.shutdown()
     gc.unfreeze()
+
+
+# -- the CPU build's limits, read before an engine starts -----------------------------------------
+def cpu_attention_limits() -> tuple[list[int], int]:
+    """The head sizes vLLM's CPU attention kernel takes, and the multiple its KV cache block size
+    must be (the kernel declares both: ``get_supported_head_sizes`` and ``MultipleOf(32)``)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    blocks = CPUAttentionBackend.get_supported_kernel_block_sizes()
+    multiple = next((b.base for b in blocks if hasattr(b, "base")), 1)
+    return sizes, int(multiple)
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

@@ -29,6 +29,7 @@ others' shared distributed state in place (:func:`stop_engine`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 
@@ -174,11 +175,31 @@ _LIVE: set[int] = set()
 _LIVE_LOCK = threading.Lock()
 
 
-def start_engine(options: dict):
-    """A started ``vllm.LLM`` built from :func:`engine_options`."""
+@contextlib.contextmanager
+def quiet_start(verbose: bool = False):
+    """vLLM's INFO and WARNING lines off while its engine starts (a page of them, none of which
+    the user can act on here), unless ``verbose=True`` or the user chose a level themselves
+    (``VLLM_LOGGING_LEVEL``). Errors still print. Worker processes started meanwhile (tensor
+    parallelism) read the same level from the environment when they import vLLM."""
+    if verbose or os.environ.get("VLLM_LOGGING_LEVEL"):
+        yield
+        return
+    logger = logging.getLogger("vllm")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        logger.setLevel(before)
+
+
+def start_engine(options: dict, *, verbose: bool = False):
+    """A started ``vllm.LLM`` built from :func:`engine_options` (quiet unless ``verbose``)."""
     from vllm import LLM
 
-    with _environment(options["tensor_parallel_size"]):
+    with _environment(options["tensor_parallel_size"]), quiet_start(verbose):
         try:
             llm = LLM(**options)
         except ValueError as err:

@@ -43,8 +43,9 @@ from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
 from interp_engine.wire import WorkerRequest, dictionary_for_worker, edit_for_worker, features_for_worker
 from interp_engine.features.sparse import SparseRows
 from ..heads import split_heads
-from .engine import engine_options, memory_defaults, start_engine, stop_engine
+from .engine import engine_options, memory_defaults, quiet_start, start_engine, stop_engine
 from .loop import EngineLoop, Finished, Job, run_on_loop
+from .limits import check_limits
 
 def _sampling_params(options: Sampling | None):
     from vllm import SamplingParams
@@ -66,7 +67,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         "vllm", "vLLM", batched=False, forms_pattern=False, gradients=False,
         writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
                             "v"}),
-        function_edits=False, whole_value_edits=False, takes_device=False, features=True)
+        function_edits=False, takes_device=False, features=True)
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
 
     def __init__(self, llm, hf_config, hf_tokenizer, name: str, *, max_model_len: int, tensor_parallel_size: int,
@@ -97,6 +98,9 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         except BaseException:
             self.close()
             raise
+
+    def _repr_extras(self) -> list[str]:
+        return [f"tensor_parallel_size={self.tensor_parallel_size}", f"max_model_len={self.max_model_len}"]
 
     @classmethod
     def capabilities_for(cls, hf_config) -> Capabilities:
@@ -169,7 +173,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         request = WorkerRequest(
             tuple(wire), None if positions is None else tuple(positions.rows[0]),
             None if positions is None else positions.after[0],
-            {str(a): edit_for_worker(planned) for a, planned in edits.items()} if edits else None,
+            {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None,
             self._features_for_worker(features) if features is not None else None)
         job = Job(tokens[0].tolist(), _sampling_params(options), request, layers)
         return self._loop.submit(job)
@@ -220,12 +224,14 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         """``run_with_cache`` of every row, all submitted before any is awaited, so the engine
         batches them (continuous batching, as ``LLM.generate`` does with a list of prompts).
         Each row is checked first: a bad one fails the call before any is submitted (the points
-        once for all rows)."""
+        once for all rows). ``edits``: the same for every row, or a list of each row's own."""
         points = self.check_points(points)
-        calls = [self.request(row, points, positions=positions, edits=edits, saes=saes) for row in rows]
+        each = edits if isinstance(edits, list) else [edits] * len(rows)
+        calls = [self.request(row, points, positions=positions, edits=e, saes=saes) for row, e in zip(rows, each)]
         futures = [self._submit(r) for r in calls]
         try:
-            return [self._cache(cancel.wait(future), r.tokens, self._outputs(r), r.positions, r.tokens.shape[1])
+            return [self._stamped(self._cache(cancel.wait(future), r.tokens, self._outputs(r), r.positions,
+                                             r.tokens.shape[1]))
                     for future, r in zip(futures, calls)]
         except BaseException:
             for future in futures:  # the engine loop aborts each cancelled request
@@ -310,12 +316,14 @@ def _shutdown(loop: EngineLoop, llm) -> None:
 
 
 def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_parallel_size: int = 1,
-              max_model_len: int | None = None, **options) -> VllmModel:
+              max_model_len: int | None = None, verbose: bool = False, **options) -> VllmModel:
     """Start a vLLM capture engine for the Hugging Face folder ``path``.
 
     ``options`` are further ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``max_num_seqs``,
     ``seed``, ...); the few that would change what is captured are fixed (see
-    :mod:`.engine`). ``max_model_len`` defaults to the model's context length.
+    :mod:`.engine`). ``max_model_len`` defaults to the model's context length. What this vLLM
+    build cannot run is refused before the engine starts (:mod:`.limits`); vLLM's own INFO and
+    WARNING lines are quiet while it starts unless ``verbose=True``.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -332,11 +340,15 @@ def load_vllm(path, name: str, *, dtype: torch.dtype = torch.float32, tensor_par
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} must divide the {info.n_heads} attention heads of {name}"
         )
+    if not isinstance(verbose, bool):
+        raise InputError(f"verbose must be True or False, got {verbose!r}")
     max_model_len = int(max_model_len or info.n_ctx)
     if arch_for(config).vllm_transformers_backend:  # its rewrite of the HF classes stays in the worker's process
         options.setdefault("distributed_executor_backend", "mp")
-    options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
-    llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options))
+    with quiet_start(verbose):  # reading vLLM's limits imports the parts of it that speak up
+        check_limits(info, options)
+        options = {**memory_defaults(info, dtype, max_model_len, tensor_parallel_size, options), **options}
+        llm = start_engine(engine_options(path, dtype, tensor_parallel_size, max_model_len, options), verbose=verbose)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         return VllmModel(llm, config, tokenizer, name, max_model_len=max_model_len,

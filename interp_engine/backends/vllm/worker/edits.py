@@ -41,6 +41,8 @@ class _Entry:
     after: int | None
     key: tuple
     holders: int = 0
+    #: the edit's vector / value holds one block per position of ``wanted``, in that order
+    per_position: bool = False
 
 
 def _key(data: dict) -> tuple:
@@ -59,8 +61,8 @@ class EditBook:
         self.table = table
         self.info = info  # n_heads, n_kv_heads, d_head, d_mlp (whole model)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        # request -> address -> its entry
-        self.edits: dict[str, dict[Address, _Entry]] = {}
+        # request -> address -> its entries, in the order they apply
+        self.edits: dict[str, dict[Address, list[_Entry]]] = {}
         # the edit's wire form -> the entry every request with that edit shares
         self._shared: dict[tuple, _Entry] = {}
         # this forward: (request, first row, end row) of the requests with edits
@@ -72,23 +74,28 @@ class EditBook:
 
     def register(self, rid: str, edits: dict) -> None:
         book = {}
-        for point, data in edits.items():
-            key = _key(data)
-            if key not in self._shared:
-                positions = data.get("positions")
-                wanted = None if positions is None else torch.tensor(positions, dtype=torch.long)
-                self._shared[key] = _Entry(edit_from_worker(data), wanted, data.get("after"), key)
-            entry = self._shared[key]
-            entry.holders += 1
-            book[parse_address(point)] = entry
+        for point, chain in edits.items():
+            book[parse_address(point)] = [self._entry(data) for data in chain]
         self.edits[rid] = book
 
+    def _entry(self, data: dict) -> _Entry:
+        key = _key(data)
+        if key not in self._shared:
+            positions = data.get("positions")
+            wanted = None if positions is None else torch.tensor(positions, dtype=torch.long)
+            self._shared[key] = _Entry(edit_from_worker(data), wanted, data.get("after"), key,
+                                       per_position=bool(data.get("per_position")))
+        entry = self._shared[key]
+        entry.holders += 1
+        return entry
+
     def forget(self, rid: str) -> None:
-        for entry in self.edits.pop(rid, {}).values():
-            entry.holders -= 1
-            if not entry.holders and self._shared.get(entry.key) is entry:
-                del self._shared[entry.key]
-                self._local = {k: v for k, v in self._local.items() if k[0] != id(entry)}
+        for chain in self.edits.pop(rid, {}).values():
+            for entry in chain:
+                entry.holders -= 1
+                if not entry.holders and self._shared.get(entry.key) is entry:
+                    del self._shared[entry.key]
+                    self._local = {k: v for k, v in self._local.items() if k[0] != id(entry)}
 
     def addresses(self) -> set[Address]:
         return set().union(*(set(book) for book in self.edits.values())) if self.edits else set()
@@ -102,26 +109,33 @@ class EditBook:
     # -- applying -------------------------------------------------------------------------------
     def edit(self, address: Address, tensor: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
         """``tensor`` (flat rows) with this forward's edits at ``address``: for each edited row
-        ``edited(tensor + offset) - offset`` (``offset`` None: ``edited(tensor)``). A new tensor
-        when some row changes, else ``tensor`` itself."""
-        groups: dict[int, tuple] = {}
-        for rid, start, end in self.spans:
-            entry = self.edits[rid].get(address)
-            if entry is not None:
-                groups.setdefault(id(entry), (entry, []))[1].append((start, end))
+        ``edited(tensor + offset) - offset`` (``offset`` None: ``edited(tensor)``). A request's
+        edits of one address apply in their order, stage by stage (its rows are its own, so the
+        stages of different requests never meet). A new tensor when some row changes, else
+        ``tensor`` itself."""
+        chains = [(self.edits[rid].get(address, ()), start, end) for rid, start, end in self.spans]
         out = None
-        for entry, spans in groups.values():
-            rows = self._rows(entry, tuple(spans))
-            if rows is None:
-                continue
-            x = tensor[rows] if offset is None else tensor[rows] + offset[rows]
-            block = self._block(address, x)
-            new = apply_edit(self._localized(entry, address), x.unflatten(-1, block)).flatten(-len(block))
-            if offset is not None:
-                new = new - offset[rows]
-            if out is None:
-                out = tensor.clone()
-            out[rows] = new.to(out.dtype)
+        for stage in range(max((len(chain) for chain, _, _ in chains), default=0)):
+            groups: dict[int, tuple] = {}
+            for chain, start, end in chains:
+                if stage < len(chain):
+                    groups.setdefault(id(chain[stage]), (chain[stage], []))[1].append((start, end))
+            for entry, spans in groups.values():
+                rows = self._rows(entry, tuple(spans))
+                if rows is None:
+                    continue
+                now = tensor if out is None else out
+                x = now[rows] if offset is None else now[rows] + offset[rows]
+                block = self._block(address, x)
+                edit = self._localized(entry, address)
+                if entry.per_position:  # each row's own value: the block of its position
+                    edit = _at_positions(edit, torch.searchsorted(entry.wanted, self.positions[rows]))
+                new = apply_edit(edit, x.unflatten(-1, block)).flatten(-len(block))
+                if offset is not None:
+                    new = new - offset[rows]
+                if out is None:
+                    out = tensor.clone()
+                out[rows] = new.to(out.dtype)
         return tensor if out is None else out
 
     def _rows(self, entry, spans: tuple):
@@ -168,6 +182,12 @@ class EditBook:
 
     def resid_pre(self, layer: int) -> torch.Tensor:
         return self._resid_pre[layer]
+
+
+def _at_positions(edit, columns: torch.Tensor):
+    """``edit`` with its per-position vector / value cut to ``columns`` (one block per edited row)."""
+    field = "vector" if isinstance(edit, Add) else "value"
+    return dataclasses.replace(edit, **{field: getattr(edit, field)[columns]})
 
 
 def _localize(edit, address: Address, shard: str, info: dict, rank: int, tp: int):

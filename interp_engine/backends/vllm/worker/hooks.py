@@ -35,6 +35,9 @@ from .features import FeatureBook
 from interp_engine.wire import WorkerRequest
 
 
+FINAL_NORM = Address("final_norm")
+
+
 class WorkerRecorder:
     """Records registered requests' rows at their requested sites, on one worker (one rank)."""
 
@@ -135,7 +138,7 @@ class WorkerRecorder:
         needed: set[object] = set(groups) | set(edits) | set(self._stash_groups)
         if addresses or edits:
             needed.add("rows")
-        if Address(LOGITS) in addresses:
+        if Address(LOGITS) in addresses or FINAL_NORM in addresses:
             needed.add(LOGITS)
         for key in list(self._handles):
             if key not in needed:
@@ -267,11 +270,18 @@ class WorkerRecorder:
             self.requests.keep(address, selection, _select(parts, selection[0]))
 
     def _on_final_hidden(self, module, args, hidden):
-        """Logits at every recorded row, through the model's own logits computation.
+        """The model's output is the final norm's output (vLLM's models end with the norm and
+        leave the unembedding to ``compute_logits``): kept as ``final_norm``, and turned into the
+        logits at every recorded row through the model's own logits computation.
 
-        Every rank calls it (it gathers the vocabulary shards); rank 0 keeps the result."""
+        Every rank calls it (it gathers the vocabulary shards); rank 0 keeps the results."""
+        if not self.batch:
+            return
+        normed = self.requests.selection(FINAL_NORM)
+        if normed is not None and self.tp_rank == 0:
+            self.requests.keep(FINAL_NORM, normed, hidden[normed[0]].clone())
         logits = Address(LOGITS)
-        selection = self.requests.selection(logits) if self.batch else None
+        selection = self.requests.selection(logits)
         if selection is None:
             return
         values = vllm_compat.compute_logits(self.model, hidden[selection[0]])

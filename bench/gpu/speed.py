@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/timing.py
 from timing import alternate, fastest, median, paired, ratio  # noqa: E402
 
 from interp_engine import Add, Address, capture_generation, run_with_cache  # noqa: E402
-from interp_engine.backends.eager import EagerModel  # noqa: E402
+from interp_engine.backends.eager.model import EagerModel  # noqa: E402
 
 DENSE_SITES = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z", "q", "k", "v", "mlp_post"]
 TARGETS = {"resid_post": ("plain", 1.05), "dense": ("plain", 1.25), "capture_generation": ("generate", 1.10)}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -32,12 +35,29 @@ def pytest_collection_modifyitems(config, items):
         for mark in sorted(markers.markers_of(item.module.__name__.rsplit(".", 1)[-1],
                                               callspec.params if callspec else {})):
             item.add_marker(getattr(pytest.mark, mark))
+    _warm_vllm(config, items)
     if devices.DEVICE == "cpu":
         return
     skip = pytest.mark.skip(reason="not a device test module (tests/devices.py MODULES); runs on the CPU only")
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] not in devices.MODULES:
             item.add_marker(skip)
+
+
+def _warm_vllm(config, items) -> None:
+    """When engines will start, vLLM's per-class inspection runs for every fixture family at once,
+    in the background (tests/vllm_warm.py), instead of in a subprocess per family."""
+    if importlib.util.find_spec("vllm") is None or not any(item.get_closest_marker("vllm") for item in items):
+        return
+    config._vllm_warm = subprocess.Popen([sys.executable, "-m", "tests.vllm_warm"], cwd=config.rootpath,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_unconfigure(config):
+    warm = getattr(config, "_vllm_warm", None)
+    if warm is not None and warm.poll() is None:
+        warm.kill()
+        warm.wait()
 
 
 @pytest.fixture(scope="session")

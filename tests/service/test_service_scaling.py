@@ -42,7 +42,12 @@ def test_a_busy_service_scales_up_onto_another_node(tiny_path, tmp_path):
                 deadline = time.monotonic() + 180
                 while model.status()["replicas"] != {"RUNNING": 2} and time.monotonic() < deadline:
                     time.sleep(1)
-                nodes = {model.transport.call("describe")["node"] for _ in range(30)}
+                # A replica that Serve reports RUNNING reaches the handle's router a moment later:
+                # ask until both nodes answer (or the deadline passes and the assertion says so).
+                nodes = set()
+                deadline = time.monotonic() + 60
+                while len(nodes) < 2 and time.monotonic() < deadline:
+                    nodes.add(model.transport.call("describe")["node"])
                 stop.set()
                 for w in workers:
                     w.result()

@@ -35,7 +35,6 @@ def pytest_collection_modifyitems(config, items):
         for mark in sorted(markers.markers_of(item.module.__name__.rsplit(".", 1)[-1],
                                               callspec.params if callspec else {})):
             item.add_marker(getattr(pytest.mark, mark))
-    _warm_vllm(config, items)
     if devices.DEVICE == "cpu":
         return
     skip = pytest.mark.skip(reason="not a device test module (tests/devices.py MODULES); runs on the CPU only")
@@ -44,10 +43,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _warm_vllm(config, items) -> None:
-    """When engines will start, vLLM's per-class inspection runs for every fixture family at once,
+def pytest_collection_finish(session):
+    """When engines will start (the items left after ``-m`` deselection), vLLM's per-class inspection runs for every fixture family at once,
     in the background (tests/vllm_warm.py), instead of in a subprocess per family."""
-    if importlib.util.find_spec("vllm") is None or not any(item.get_closest_marker("vllm") for item in items):
+    config = session.config
+    if importlib.util.find_spec("vllm") is None or not any(i.get_closest_marker("vllm") for i in session.items):
         return
     config._vllm_warm = subprocess.Popen([sys.executable, "-m", "tests.vllm_warm"], cwd=config.rootpath,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,7 +8,7 @@ either with the same calls.
 from .address import SITES as SITES
 from .address import Address as Address
 from .address import FeatureAddress as FeatureAddress
-from .address import ModelInfo as ModelInfo
+from .points import ModelInfo as ModelInfo
 from .address import format_address as format_address
 from .address import parse_address as parse_address
 from .address import to_address as to_address

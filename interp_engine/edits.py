@@ -34,7 +34,8 @@ from typing import Union
 
 import torch
 
-from .address import SITES, Address, ModelInfo, check_points, to_address
+from .address import SITES, Address, to_address
+from .points import ModelInfo, check_points
 from .capabilities import Capabilities
 from .edit_rows import dense, per_row_axes
 from .edit_values import check_add as _check_add

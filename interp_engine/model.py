@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from . import cancel
-from .address import Address, AddressLike, ModelInfo, all_points
+from .address import Address, AddressLike
+from .points import ModelInfo, all_points
 from .cache import Cache
 from .capabilities import Capabilities
 from .edits import Planned, check_edits

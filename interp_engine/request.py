@@ -3,7 +3,7 @@
 Everything a call asks for — the token batch, the points, the positions to keep, the edits, the
 sampling options — is checked against the model by :meth:`CaptureModel.request` and held in one
 :class:`Request`; a backend runs that value (:meth:`CaptureModel.execute`) and never checks it
-again. The points inside are a :class:`Points`: addresses that :func:`~.address.check_points`
+again. The points inside are a :class:`Points`: addresses that :func:`~.points.check_points`
 accepted for this model. Work split from one call — the batches of a dataset shard, the rows a
 one-prompt engine runs, the share of a batch a cluster replica runs — carries those ``Points``
 (or their strings, across a process boundary: :meth:`Points.trusted`), so however many pieces a
@@ -16,7 +16,8 @@ import dataclasses
 
 import torch
 
-from .address import Address, ModelInfo, check_points, parse_address
+from .address import Address, parse_address
+from .points import ModelInfo, check_points
 from .capabilities import Capabilities
 from .edits import Planned
 from .generation import Sampling
@@ -32,7 +33,7 @@ class Points(tuple):
 
     @classmethod
     def check(cls, points, info: ModelInfo, caps: Capabilities) -> "Points":
-        """``points`` as the user gave them, checked (see :func:`~.address.check_points`)."""
+        """``points`` as the user gave them, checked (see :func:`~.points.check_points`)."""
         return points if isinstance(points, Points) else cls(check_points(points, info, caps))
 
     @classmethod

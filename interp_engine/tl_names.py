@@ -154,7 +154,7 @@ class TLConfig:
 
 
 def tl_config(info, dtype, device, architecture: str = "") -> TLConfig:
-    """``model.cfg`` of a model with these facts (:class:`~interp_engine.address.ModelInfo`)."""
+    """``model.cfg`` of a model with these facts (:class:`~interp_engine.points.ModelInfo`)."""
     import torch
 
     return TLConfig(model_name=info.name.rstrip("/").rsplit("/", 1)[-1], n_layers=info.n_layers,

@@ -39,7 +39,7 @@ def preflight(config: BuildConfig) -> None:
     except (OSError, ValueError) as err:
         raise ConfigError(f"model: cannot read {config.model!r}'s config or tokenizer ({_line(err)})") from None
     if info is not None:
-        from interp_engine.address import check_points
+        from interp_engine.points import check_points
 
         try:
             check_points(config.points, info, caps)

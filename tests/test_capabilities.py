@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from interp_engine import Address, AddressError, InputError, Zero
-from interp_engine.address import ModelInfo, all_points, check_points
+from interp_engine.points import ModelInfo, all_points, check_points
 from interp_engine.capabilities import LOADERS, Capabilities, backend_class
 from interp_engine.edits import check_edits
 

@@ -16,7 +16,8 @@ whose layers have Llama's module names is served on both backends by one ``model
 
 from __future__ import annotations
 
-from ..address import SITES, ModelInfo
+from ..address import SITES
+from ..points import ModelInfo
 from ..sites import MODEL_LEVEL
 from . import dense, gpt, gpt_oss, hybrid, mla, moe, normed, streams
 from .base import LAYOUTS as LAYOUTS

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..address import ModelInfo
+from ..points import ModelInfo
 
 #: per-head sites -> the ModelInfo field that counts their heads
 HEAD_SITES = {"z": "n_heads", "q": "n_heads", "k": "n_kv_heads", "v": "n_kv_heads"}

@@ -16,7 +16,8 @@ import dataclasses
 
 import torch
 
-from ..address import Address, FeatureAddress, ModelInfo, format_address, to_address
+from ..address import Address, FeatureAddress, format_address, to_address
+from ..points import ModelInfo
 from ..edits import EDITS, Add, Planned, Set, _fit, _number
 from ..errors import AddressError, DictionaryError, InputError
 from ..positions import check_spec, resolve

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..address import Address, ModelInfo
+from ..address import Address
+from ..points import ModelInfo
 from ..errors import LimitExceeded
 
 

@@ -24,7 +24,8 @@ from ray import serve
 
 from ..actors.replica import ReplicaCore, ReplicaSpec
 from ..wire import CaptureReply, GenerationReply
-from ..address import check_points, parse_address
+from ..address import parse_address
+from ..points import check_points
 from ..wire import Packed
 from ..positions import width_bound
 from . import compat

@@ -265,7 +265,7 @@ class HttpTransport:
     def facts(self) -> Facts:
         import base64
 
-        from ..address import ModelInfo
+        from ..points import ModelInfo
         from ..capabilities import Capabilities
 
         answer = json.loads(self.request("GET", "/info"))

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from interp_engine import Address, AddressError, format_address, parse_address, to_address
-from interp_engine.address import ModelInfo, check_points
+from interp_engine.points import ModelInfo, check_points
 from interp_engine.backends.eager.model import EagerModel
 from interp_engine.backends.vllm.model import VllmModel
 

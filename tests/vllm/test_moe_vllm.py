@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from interp_engine import AddressError, capture_generation, expert_assignment, load_model, run_with_cache
-from interp_engine.address import check_points
+from interp_engine.points import check_points
 from interp_engine.backends.vllm.worker.experts import unreadable_sites
 
 from .. import tiny_moe

@@ -23,7 +23,8 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from interp_engine.address import Address, ModelInfo
+from interp_engine.address import Address
+from interp_engine.points import ModelInfo
 from interp_engine.archs import Arch, group_sites
 from interp_engine.archs.base import layer_module
 from interp_engine.edits import Planned, edit_chain

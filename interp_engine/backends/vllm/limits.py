@@ -16,7 +16,7 @@ from . import compat
 
 
 def check_limits(info, options: dict) -> None:
-    """Refuse a model (its :class:`~interp_engine.address.ModelInfo`) or engine ``options`` this
+    """Refuse a model (its :class:`~interp_engine.points.ModelInfo`) or engine ``options`` this
     vLLM build cannot run."""
     if not compat.is_cpu_platform():
         return

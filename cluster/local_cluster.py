@@ -301,17 +301,12 @@ def stop(state: Path = DEFAULT_STATE, timeout: float = 10) -> bool:
             own.append(pid)
         elif why != "gone":
             refused.append(f"not ending process {pid}: {why}")
-    for pid in reversed(own):
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.time() + timeout
-    for pid in own:
-        while time.time() < deadline and _group_alive(pid):
-            time.sleep(0.2)
-        if _group_alive(pid):
-            os.killpg(pid, signal.SIGKILL)
+    # The workers first, the head after them: a node that gets SIGTERM drains through the head's
+    # GCS, so workers ended together with their head wait on it until SIGKILL. The head, alone by
+    # then, still waits out a 30 s drain of nothing; its group is killed after a short grace.
+    head = {pids[0]} if pids else set()
+    _end([p for p in own if p not in head], timeout)
+    _end([p for p in own if p in head], min(timeout, 2.0))
     if temp_why is None:
         shutil.rmtree(temp, ignore_errors=True)
     elif temp_why != "gone":
@@ -321,6 +316,23 @@ def stop(state: Path = DEFAULT_STATE, timeout: float = 10) -> bool:
         raise SystemExit("\n".join([f"{state / 'cluster.json'} named things this script did not start; "
                                      f"they were left alone (the record is removed):", *refused]))
     return True
+
+
+def _end(groups: list[int], timeout: float) -> None:
+    """SIGTERM each process group, then SIGKILL those still alive after ``timeout`` seconds."""
+    ended = []
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            ended.append(pgid)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(_group_alive(g) for g in ended):
+        time.sleep(0.1)
+    for pgid in ended:
+        if _group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:

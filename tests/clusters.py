@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import contextlib
 
+#: eager replicas that ask for one (fake) GPU each, so they land on the two worker nodes, with one
+#: torch thread each (a local oracle pinned to it runs the same computation on a replica's rows)
+REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
+
 
 @contextlib.contextmanager
 def simulated_cluster(workers: int = 2, *, worker_gpus: int = 1):

@@ -2,7 +2,7 @@
 edit that returns None only reads, and batched activation patching (a Set / Add value with a
 batch axis patches each row with its own value), on the eager backend. Each is checked against a
 hand-written forward hook on the Hugging Face decoder layer (an oracle that shares no code with
-the library's recorder); tests/vllm/test_tl_vllm.py and tests/cluster/test_tl_cluster.py check vLLM and a
+the library's recorder); tests/vllm/test_tl_vllm.py and tests/cluster/replicas/test_tl_cluster.py check vLLM and a
 cluster against the eager backend."""
 
 from __future__ import annotations

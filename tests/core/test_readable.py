@@ -1,7 +1,7 @@
 """Readable objects (issue 26, items 10 and 11): a model, a cache and a dataset print as what they
 are in one line — never their modules, values or whole manifest — and a resumed build's summary
 says how many shards it resumed and rates only the work it did. tests/vllm/test_tl_vllm.py and
-tests/cluster/test_tl_cluster.py check the vLLM and cluster model reprs."""
+tests/cluster/replicas/test_tl_cluster.py check the vLLM and cluster model reprs."""
 
 from __future__ import annotations
 

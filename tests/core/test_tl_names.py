@@ -1,5 +1,5 @@
 """TransformerLens hook names and negative layers as addresses (issue 26, items 1-3), on the
-eager backend; tests/vllm/test_tl_vllm.py and tests/cluster/test_tl_cluster.py check the same on vLLM and a
+eager backend; tests/vllm/test_tl_vllm.py and tests/cluster/replicas/test_tl_cluster.py check the same on vLLM and a
 cluster. The TL names below are written out as TransformerLens spells them, not read from the
 library's table, so a wrong entry there fails here."""
 

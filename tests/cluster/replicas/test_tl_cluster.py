@@ -9,30 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import Add, Address, Scale, Set, Zero, capture_generation, load_model, run_with_cache
+from interp_engine import Add, Address, Scale, Set, Zero, capture_generation, run_with_cache
 
-from ..clusters import simulated_cluster, vllm_replica
-from ..oracles import REL, assert_near
+from ...oracles import REL, assert_near
 
 ray = pytest.importorskip("ray")
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
 PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again"]
-
-
-@pytest.fixture(scope="module")
-def cluster_llama(tiny_path):
-    with simulated_cluster():
-        model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-        yield model
-        model.close()
-
-
-@pytest.fixture(scope="module")
-def cluster_vllm(cluster_llama, tiny_path):
-    """A vLLM replica on the same cluster (CPU only: it lands on the head node)."""
-    pytest.importorskip("vllm")
-    with vllm_replica(str(tiny_path("llama"))) as model:
-        yield model
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import Add, AddressError, InputError, Scale, Set, Zero, capture_generation, load_model, run_with_cache
+from interp_engine import Add, AddressError, InputError, Scale, Set, Zero, capture_generation, run_with_cache
 
-from ..clusters import simulated_cluster, vllm_replica
-from ..contract import assert_contract
-from ..oracles import REL, assert_near
+from ...contract import assert_contract
+from ...oracles import REL, assert_near
 
 ray = pytest.importorskip("ray")
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
 PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again", "!!"]
-
-
-@pytest.fixture(scope="module")
-def cluster_llama(tiny_path):
-    with simulated_cluster():
-        model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-        yield model
-        model.close()
 
 
 def test_an_eager_cluster_implements_the_contract(cluster_llama):
@@ -75,14 +65,6 @@ def test_cluster_refuses_code_and_splits_whole_batch_values(cluster_llama, eager
         run_with_cache(cluster_llama, tokens, ["logits"], edits={"resid_pre.0": Zero(positions=[6])})
     got = run_with_cache(cluster_llama, tokens, ["logits"])
     assert_near(got["logits"], run_with_cache(local, tokens, ["logits"])["logits"], "still serving", 1e-5)
-
-
-@pytest.fixture(scope="module")
-def cluster_vllm(cluster_llama, tiny_path):
-    """A vLLM replica on the same cluster (CPU only: it lands on the head node)."""
-    pytest.importorskip("vllm")
-    with vllm_replica(str(tiny_path("llama"))) as model:
-        yield model
 
 
 def test_a_vllm_cluster_implements_the_contract(cluster_vllm):

@@ -13,23 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import capture_generation, load_model, logit_lens, run_with_cache
+from interp_engine import capture_generation, logit_lens, run_with_cache
 
-from ..clusters import simulated_cluster, vllm_replica
-from ..oracles import REL_SAME, assert_near
+from ...oracles import REL_SAME, assert_near
 
 ray = pytest.importorskip("ray")
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
 PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again", "!"]
 POINTS = ["resid_post", "z.0", "logits"]
-
-
-@pytest.fixture(scope="module")
-def cluster_llama(tiny_path):
-    with simulated_cluster():
-        model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-        yield model
-        model.close()
 
 
 def sent(model) -> int:
@@ -112,14 +102,6 @@ def test_bad_positions_fail_before_any_work(cluster_llama):
     with pytest.raises(AddressError, match="matched no address"):
         run_with_cache(cluster_llama, tokens, [lambda a: a.name == "nothing"])
     assert sent(cluster_llama) == before
-
-
-@pytest.fixture(scope="module")
-def cluster_vllm(cluster_llama, tiny_path):
-    """A vLLM replica on the same cluster (CPU only: it lands on the head node)."""
-    pytest.importorskip("vllm")
-    with vllm_replica(str(tiny_path("llama"))) as model:
-        yield model
 
 
 def test_a_vllm_replica_selects_inside_its_engine(cluster_vllm, eager_models):

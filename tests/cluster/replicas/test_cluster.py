@@ -15,28 +15,13 @@ from interp_engine import AddressError, InputError, capture_generation, load_mod
 from interp_engine.errors import ClusterError, DatasetExistsError, PromptsError
 from interp_engine.dataset.build import build_dataset
 
-from .. import sampling_checks
-from ..clusters import simulated_cluster
-from ..faults import kill_replica
-from ..oracles import assert_caches_near, row_chunks, torch_threads
+from ... import sampling_checks
+from ...clusters import REPLICA
+from ...faults import kill_replica
+from ...oracles import assert_caches_near, row_chunks, torch_threads
 
 ray = pytest.importorskip("ray")
 POINTS = ["resid_post.1", "z.0", "attn_out.2", "logits"]
-#: replicas ask for one (fake) GPU each, so they must land on the two worker nodes
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with simulated_cluster() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def cluster_llama(cluster, tiny_path):
-    model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-    yield model
-    model.close()
 
 
 def test_replicas_land_on_different_nodes(cluster_llama):

@@ -11,27 +11,18 @@ import torch
 
 from interp_engine import Set, Zero, build_dataset, capture_generation, feature_dashboard, load_model, run_with_cache
 
-from .. import sparse_dicts as sd
-from ..clusters import simulated_cluster
-from ..oracles import REL_SAME, assert_near
+from ... import sparse_dicts as sd
+from ...oracles import REL_SAME, assert_near
 
 ray = pytest.importorskip("ray")
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
 PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again", "!!", "and one more prompt here"]
-
-
-@pytest.fixture(scope="module")
-def cluster_llama(tiny_path):
-    with simulated_cluster():
-        model = load_model(str(tiny_path("llama")), replicas=2, **REPLICA)
-        yield model
-        model.close()
 
 
 def test_cluster_features_and_edits_equal_local(cluster_llama, eager_models):
     local = eager_models("llama")
     tokens = local.tok.to_tokens(PROMPTS)
     sae, tc = sd.sae(k=12), sd.transcoder()
+    placed = set(cluster_llama._dictionaries)  # the model is shared with the folder's other tests
     points = ["resid_post.1.features", "resid_post.1.features[2,5]", "resid_post.1.sae_error",
               "resid_mid.1.features", "mlp_out.1.sae_error", "logits"]
     edits = {"resid_post.1.features[5]": Set(4.0, positions=[-1]), "mlp_out.1.sae_error": Zero()}
@@ -43,7 +34,8 @@ def test_cluster_features_and_edits_equal_local(cluster_llama, eager_models):
             assert_near(got[point], want[point], point, REL_SAME)
         assert torch.equal(got.mask, want.mask)
     assert (got["resid_post.1.features[2,5]"][torch.arange(len(PROMPTS)), got.lengths - 1, 1] == 4.0).all()
-    assert len(cluster_llama._dictionaries) == 2  # each put in the object store once
+    # each put in the object store once, for both calls
+    assert set(cluster_llama._dictionaries) - placed == {sae.key, tc.key} - placed
 
 
 def test_replicas_send_back_only_active_features(cluster_llama, eager_models):
@@ -87,7 +79,7 @@ def test_killing_a_replica_mid_dashboard_changes_nothing(cluster_llama, tiny_pat
     import threading
     import time
 
-    from ..faults import kill_replica
+    from ...faults import kill_replica
 
     prompts = [f"prompt {i}: " + "word " * (i % 7) for i in range(24)]
     sae = sd.sae(k=12)

@@ -23,6 +23,7 @@ CPU machine) GPUs, which is how the tests place GPU replicas without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -332,7 +333,8 @@ def _end(groups: list[int], timeout: float) -> None:
         time.sleep(0.1)
     for pgid in ended:
         if _group_alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may end between the check and the kill
+                os.killpg(pgid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:

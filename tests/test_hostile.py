@@ -36,7 +36,7 @@ from interp_engine import (
 )
 
 from . import hostile_edits
-from .clusters import simulated_cluster
+from .clusters import REPLICA, simulated_cluster
 
 BACKENDS = ["eager", "vllm", "cluster"]
 ALL = tuple(BACKENDS)
@@ -44,7 +44,6 @@ HANG_AFTER = 60
 VLLM_MAX_LEN = 128  # below the model's 256 positions, so both limits can be hit
 POINTS = ["resid_post.1", "z.2", "logits"]
 #: replicas ask for one (fake) GPU each, so they land on the two worker nodes
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
 
 
 @dataclasses.dataclass

@@ -13,13 +13,12 @@ from interp_engine import head_contributions, load_model, logit_attribution, log
 from interp_engine.dataset.build import build_dataset
 
 from .. import tiny_gpt
-from ..clusters import simulated_cluster
+from ..clusters import REPLICA, simulated_cluster
 from ..oracles import assert_caches_near, assert_near, torch_threads
 
 ray = pytest.importorskip("ray")
 
 POINTS = ["resid_pre.0", "attn_out", "mlp_out", "resid_mid.1", "resid_post", "z.1", "logits"]
-REPLICA = dict(gpus_per_replica=1, cpus_per_replica=0.5, device="cpu", torch_threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -26,20 +26,28 @@ def sent(model) -> int:
     return sum(model.bytes_returned())
 
 
-def test_positions_on_a_padded_batch_and_the_bytes_returned(cluster_llama, eager_models):
-    local = eager_models("llama")
-    tokens = local.tok.to_tokens(PROMPTS)
+def full_and_last(model, tokens, points):
+    """The full capture and the last position's, each with the bytes the replicas returned for it;
+    the last position's rows equal the full capture's at each prompt's last real position."""
     lengths = (tokens >= 0).sum(1).tolist()
-    before = sent(cluster_llama)
-    full = run_with_cache(cluster_llama, tokens, POINTS)
-    full_bytes = sent(cluster_llama) - before
-    before = sent(cluster_llama)
-    last = run_with_cache(cluster_llama, tokens, POINTS, positions=-1)
-    last_bytes = sent(cluster_llama) - before
+    before = sent(model)
+    full = run_with_cache(model, tokens, points)
+    full_bytes = sent(model) - before
+    before = sent(model)
+    last = run_with_cache(model, tokens, points, positions=-1)
+    last_bytes = sent(model) - before
     assert last.positions.tolist() == [[n - 1] for n in lengths]
     for address in full:
         for b, n in enumerate(lengths):
             assert torch.equal(last[address][b, 0], full[address][b, n - 1]), address
+    return full, last, full_bytes, last_bytes
+
+
+def test_positions_on_a_padded_batch_and_the_bytes_returned(cluster_llama, eager_models):
+    local = eager_models("llama")
+    tokens = local.tok.to_tokens(PROMPTS)
+    lengths = (tokens >= 0).sum(1).tolist()
+    full, last, full_bytes, last_bytes = full_and_last(cluster_llama, tokens, POINTS)
     # each replica returns its two rows at the batch's padded width; the selection one position
     # per row (and that position, an int64)
     per_position = sum(t[0, 0].nbytes for t in full.values())
@@ -109,16 +117,7 @@ def test_a_vllm_replica_selects_inside_its_engine(cluster_vllm, eager_models):
     only its last row, so the replica returns one position per prompt."""
     tokens = eager_models("llama").tok.to_tokens(PROMPTS)
     lengths = (tokens >= 0).sum(1).tolist()
-    before = sent(cluster_vllm)
-    full = run_with_cache(cluster_vllm, tokens, ["resid_post.1", "z.0"])
-    full_bytes = sent(cluster_vllm) - before
-    before = sent(cluster_vllm)
-    last = run_with_cache(cluster_vllm, tokens, ["resid_post.1", "z.0"], positions=-1)
-    last_bytes = sent(cluster_vllm) - before
-    assert last.positions.tolist() == [[n - 1] for n in lengths]
-    for address in full:
-        for b, n in enumerate(lengths):
-            assert torch.equal(last[address][b, 0], full[address][b, n - 1]), address
+    full, last, full_bytes, last_bytes = full_and_last(cluster_vllm, tokens, ["resid_post.1", "z.0"])
     per_position = sum(t[0, 0].nbytes for t in full.values())
     # one prompt per shard, at its true length: every real position, and then one per prompt
     assert full_bytes == per_position * sum(lengths)

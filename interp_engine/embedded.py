@@ -3,8 +3,8 @@
 That package carries one GGUF file (Q4_1 quantised, Apache-2.0). The first call to
 :func:`ensure` dequantises it with transformers into an ordinary Hugging Face folder under
 the cache directory (``$INTERP_ENGINE_CACHE``, default ``~/.cache/interp_engine``); both
-backends load that folder. The folder is built under a temporary name and renamed into place,
-so two processes doing it at once never see a half-written model.
+backends load that folder. The folder is built under a temporary name and renamed into place
+(:func:`build_once`), so two processes doing it at once never see a half-written model.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -38,27 +39,22 @@ def gguf_path() -> Path:
 
 def ensure() -> Path:
     """The HF folder of the embedded model, built from the GGUF on first use."""
-    target = cache_dir() / "SmolLM2-135M-Instruct"
+    return build_once(cache_dir() / "SmolLM2-135M-Instruct", _convert)
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(staging)`` unless it is there already.
+
+    ``build`` writes into a fresh staging folder beside ``target``, which is renamed into place
+    when it returns: a reader sees the whole folder or none of it. Two processes that build at
+    once both succeed; the first rename wins and the other's staging folder is removed.
+    """
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        # The weights are already dequantised; a plain model of the same config saves them as
-        # ordinary safetensors (transformers refuses to save a model still marked as GGUF).
-        config = quantized.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantized.state_dict())
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        build(staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -67,3 +63,23 @@ def ensure() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _convert(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+    # The weights are already dequantised; a plain model of the same config saves them as
+    # ordinary safetensors (transformers refuses to save a model still marked as GGUF). Built on
+    # the meta device, it takes the tensors as they are instead of initialising its own first.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), assign=True)
+    model.tie_weights()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(folder)

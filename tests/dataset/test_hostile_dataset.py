@@ -193,7 +193,9 @@ _CLAIMER = """
 import json, sys, time
 from interp_engine.dataset.lease import Lease, DatasetBusyError
 from interp_engine.dataset.store import Store
-store, start, stop, held = Store.of(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), []
+store, held = Store.of(sys.argv[1]), []
+print("ready", flush=True)
+start, stop = map(float, sys.stdin.readline().split())
 time.sleep(max(0.0, start - time.time()))
 while time.time() < stop:
     try:
@@ -206,9 +208,13 @@ print(json.dumps(held))
 
 
 def test_the_lease_is_exclusive_across_processes(tmp_path):
-    start = time.time() + 15  # both interpreters have imported the library by then
-    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, str(tmp_path / "d"), str(start), str(start + 3)],
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, str(tmp_path / "d")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 2  # both have imported the library
+    start = time.time() + 0.2
+    for p in procs:  # the same window for both: they contend for the whole of it
+        p.stdin.write(f"{start} {start + 3}\n")
+        p.stdin.flush()
     spans = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert all(spans), "each process should have held the folder at some point"
     for a0, a1 in spans[0]:

@@ -1,7 +1,7 @@
 """Dataset builds against the backend's own plain prefill of the same prompts (issue 23).
 
-    .venv/bin/python bench/build_throughput.py [--parts vllm eager cluster write] [--prompts 256]
-        [--reps 3] [--layer 15] [--json out.json]
+    .venv/bin/python bench/build_throughput.py [--parts vllm eager cluster write rss] [--prompts 256]
+        [--reps 3] [--layer 15] [--rss-sizes 1000 10000] [--json out.json]
 
 SmolLM2-135M (the embedded model), ``--prompts`` prompts of 40-100 words, ``resid_post.<layer>``
 in the token layout, bf16, shards of 64. Each part alternates its variants in one process
@@ -22,6 +22,10 @@ overlap). ``/proc/loadavg`` is printed before and after each part.
   128 tokens): CPU seconds per MiB of activations for building the Arrow table and encoding
   Parquet, sha256, and publishing it to the local disk and to a local S3 server (``moto_server``),
   and the tokens/s one writer sustains.
+- ``rss``: peak resident memory of a local vLLM build of ``--rss-sizes`` prompts (default 1,000
+  and 10,000; short prompts of 6-15 words, so the large build takes minutes), each size in a
+  fresh process: the high-water mark (``VmHWM``) of that process and of every process under it
+  (vLLM's engine core), read while they are alive; the ratio of the sums, largest / smallest.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +52,11 @@ WORDS = "the of and a to in is was he for it with as his on be at by had are but
 def prompts(n: int) -> list[str]:
     """``n`` prompts of 40-100 words."""
     return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(40 + (i * 37) % 61)) for i in range(n)]
+
+
+def short_prompts(n: int) -> list[str]:
+    """``n`` prompts of 6-15 words (the memory part)."""
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6 + i % 10)) for i in range(n)]
 
 
 def loadavg() -> str:
@@ -251,14 +261,55 @@ def part_write(args, work) -> dict:
     return out
 
 
+def rss_child(args) -> None:
+    """One local vLLM build of ``args.rss_child`` prompts; prints its peak memory as JSON."""
+    import psutil
+
+    from interp_engine import build_dataset, load_model
+    from rss import peak_rss_mb
+
+    model = load_model(SMOL, backend="vllm")
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        ds = build_dataset(model, short_prompts(args.rss_child), [f"resid_post.{args.layer}"], Path(tmp) / "d",
+                           layout="token", dtype="bfloat16", shard_size=64, progress=False)
+        seconds = time.perf_counter() - start
+        procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
+        peaks = {p.pid: peak_rss_mb(p.pid) for p in procs}
+        print(json.dumps({"prompts": args.rss_child, "rows": ds.rows, "tokens": ds.tokens, "seconds": seconds,
+                          "peak_mb": peaks, "peak_mb_total": sum(peaks.values())}), flush=True)
+    model.close()
+
+
+def part_rss(args) -> dict:
+    out = {"sizes": {}}
+    for n in sorted(args.rss_sizes):
+        command = [sys.executable, __file__, "--rss-child", str(n), "--layer", str(args.layer)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-3000:])
+        out["sizes"][n] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"[rss {n}] " + json.dumps(out["sizes"][n]), flush=True)
+    small, large = out["sizes"][min(args.rss_sizes)], out["sizes"][max(args.rss_sizes)]
+    out["large_over_small"] = large["peak_mb_total"] / small["peak_mb_total"]
+    print(f"[rss] peak RSS {large['prompts']} / {small['prompts']} prompts: {out['large_over_small']:.3f} "
+          f"({large['peak_mb_total']:.0f} / {small['peak_mb_total']:.0f} MiB)", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["vllm", "eager", "cluster", "write"])
+    parser.add_argument("--parts", nargs="+", default=["vllm", "eager", "cluster", "write", "rss"])
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--layer", type=int, default=15)
+    parser.add_argument("--rss-sizes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--json", default="")
+    parser.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rss_child:
+        rss_child(args)
+        return
     texts = prompts(args.prompts)
     results = {"args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,8 +317,10 @@ def main() -> None:
         for part in args.parts:
             before = loadavg()
             print(f"== {part} (loadavg {before})", flush=True)
-            results[part] = part_write(args, work) if part == "write" else \
-                {"vllm": part_vllm, "eager": part_eager, "cluster": part_cluster}[part](args, texts, work)
+            if part in ("write", "rss"):
+                results[part] = part_write(args, work) if part == "write" else part_rss(args)
+            else:
+                results[part] = {"vllm": part_vllm, "eager": part_eager, "cluster": part_cluster}[part](args, texts, work)
             results[part]["loadavg"] = {"before": before, "after": loadavg()}
             print(f"== {part} done (loadavg {results[part]['loadavg']['after']})", flush=True)
     if args.json:

@@ -9,8 +9,9 @@
 # and position in one batched call per layer. TransformerLens's hook names work as addresses
 # (`"blocks.29.hook_resid_post"` is `resid_post.29`), as do negative layers (`-1`: the last).
 # Every claim it prints is also asserted, so the test suite runs this file
-# (tests/test_tutorial.py). The same calls work on `load_model(backend="vllm")` and on a cluster
-# model (`replicas=N`).
+# (tests/test_tutorial.py). The same calls work on a cluster model (`replicas=N`, eager or vLLM
+# replicas) and on `load_model(backend="vllm")`, which takes one prompt per call: there the
+# sweep's batched call becomes one call per row, each with its own row's value.
 
 # %%
 import torch

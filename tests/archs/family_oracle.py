@@ -1,4 +1,4 @@
-"""Independent oracles for the family tests (tests/test_family_*.py): each decoder layer's attention
+"""Independent oracles for the family tests (tests/archs/test_family_*.py): each decoder layer's attention
 and MLP written out by hand from its weights, and the shared checks every family must pass.
 
 A family is described to the oracle by a :class:`Layout` (which norms sit where, how q / k are

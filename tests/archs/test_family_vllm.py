@@ -6,7 +6,7 @@ starts.
 
 One engine per family (module-scoped, parametrised: pytest finishes one family's tests and closes
 its engine before the next starts). The eager backend is itself checked against HF and the
-weights in tests/test_family_*.py. Tolerance: ``max |vllm - eager| <= 1e-4 * max |eager|``.
+weights in tests/archs/test_family_*.py. Tolerance: ``max |vllm - eager| <= 1e-4 * max |eager|``.
 """
 
 from __future__ import annotations

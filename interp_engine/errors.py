@@ -109,6 +109,15 @@ class ServiceAuthError(ServiceError):
     """The service refused the request's bearer token: none was sent (HTTP 401) or a wrong one (403)."""
 
 
+class MissingDictionary(ServiceError):
+    """A service replica holds no dictionary under ``keys`` yet (HTTP 409): the client sends the
+    request again with those dictionaries' weights. Clients handle it; callers never see it."""
+
+    def __init__(self, message: str, keys=()):
+        super().__init__(message)
+        self.keys = list(keys)
+
+
 class LimitExceeded(InputError):
     """A request asks a service for more than one of its limits allows (HTTP 413; the message names
     the limit, its value and how to fit)."""

@@ -39,8 +39,7 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         self.transport = transport
         facts = transport.facts()
         self.info = facts.info
-        # the service does not carry dictionaries to its replicas yet: saes= is refused with the fix
-        self.capabilities = dataclasses.replace(facts.capabilities, batched=True, features=False)
+        self.capabilities = dataclasses.replace(facts.capabilities, batched=True)
         self._replica_batched = facts.capabilities.batched
         self.dtype = facts.dtype
         self.service = facts.service
@@ -86,27 +85,35 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         return list(self._pool.map(fn, pieces))
 
     def _parts(self, r: Request):
-        """What every piece of the request carries: its points as strings, positions spec and edits as data."""
+        """What every piece of the request carries: its points as strings, positions spec, edits as
+        data and dictionaries by key. Feature points and edits travel as points and edits, as to a
+        cluster replica; the replica encodes the features and sends back only the active ones."""
         if not r.detach:
             raise InputError("detach=False needs gradients, which do not cross processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        return list(r.points.strings()), _spec(r.positions), edits_for_replica(r.edits)
+        points, edits, saes = list(r.points.strings()), r.edits, None
+        if r.features is not None:
+            points += [str(p) for p in r.features.points]
+            edits = {**(edits or {}), **r.features.edit_map()}
+            saes = self.transport.dictionaries(r.features)
+        return points, _spec(r.positions), edits_for_replica(edits), saes
 
     def _execute(self, request: Request):
-        points, spec, edits = self._parts(request)
+        points, spec, edits, saes = self._parts(request)
         if request.options is not None:
             return self._completion(self.transport.generate(request.tokens.numpy(), points,
-                                                            dataclasses.asdict(request.options), spec, edits))
-        parts = self._map(lambda piece: self.transport.run(piece[0], points, spec, piece[1]),
+                                                            dataclasses.asdict(request.options), spec, edits, saes))
+        parts = self._map(lambda piece: self.transport.run(piece[0], points, spec, piece[1], saes),
                           self._pieces(request.tokens, edits))
         return self._cache(join_captured(parts, request.tokens.numpy(), request.positions is not None), request.tokens)
 
     async def _execute_async(self, request: Request):
-        points, spec, edits = self._parts(request)
+        points, spec, edits, saes = self._parts(request)
         if request.options is not None:
-            return self._completion(await self.transport.agenerate(request.tokens.numpy(), points,
-                                                                   dataclasses.asdict(request.options), spec, edits))
-        return self._cache(await self.transport.arun(request.tokens.numpy(), points, spec, edits), request.tokens)
+            return self._completion(await self.transport.agenerate(
+                request.tokens.numpy(), points, dataclasses.asdict(request.options), spec, edits, saes))
+        return self._cache(await self.transport.arun(request.tokens.numpy(), points, spec, edits, saes),
+                           request.tokens)
 
     def _cache(self, reply, tokens) -> Cache:
         return Cache(unpack_dict(reply.tensors), tokens, None, self.name, self.backend, _held(reply))

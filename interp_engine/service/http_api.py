@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import AddressError, InputError, LimitExceeded
+from ..errors import AddressError, InputError, LimitExceeded, MissingDictionary
 from . import http_wire
 from .auth import matches
 
@@ -30,6 +30,9 @@ app = FastAPI(title="interp_engine capture service",
                           "`Authorization: Bearer <token>`.")
 
 SAFETENSORS = "application/octet-stream"
+#: the header of a request that carries dictionaries' weights (its body may be larger by
+#: ``Limits.max_dictionary_bytes``)
+DICTIONARIES_HEADER = b"x-interp-engine-dictionaries"
 
 
 # -- request bodies -----------------------------------------------------------------------------
@@ -77,6 +80,12 @@ class CaptureRequest(BaseModel):
                                                    "or {'slice': [start, stop, step]}; null keeps all")
     edits: dict[str, EditJSON | list[EditJSON]] | None = Field(
         None, description="address -> an edit, or a list of edits applied in order")
+    saes: list[str] | None = Field(
+        None, description="content keys of the dictionaries the call's feature points and edits use; a replica "
+                          "that holds none under a key answers 409 {'error': 'MissingDictionary', 'keys': [...]}")
+    dictionaries: dict[str, str] | None = Field(
+        None, description="key -> a dictionary's weights (base64 of a safetensors file, docs/SERVICE.md), "
+                          "sent when a replica asked for them")
 
 
 class GenerateRequest(CaptureRequest):
@@ -123,9 +132,13 @@ def _refused(headers: dict[bytes, bytes], method: str) -> JSONResponse | None:
         size = headers.get(b"content-length")
         if size is None or not size.isdigit():
             return _error(411, "InputError", "send the request body with a Content-Length header")
-        if int(size) > owner.limits.max_request_bytes:
+        limit = "max_dictionary_bytes" if DICTIONARIES_HEADER in headers else "max_request_bytes"
+        allowed = owner.limits.max_request_bytes + (owner.limits.max_dictionary_bytes
+                                                    if limit == "max_dictionary_bytes" else 0)
+        if int(size) > allowed:
             return _error(413, "LimitExceeded", str(owner.limits.refuse(
-                "max_request_bytes", f"a body of {int(size)} bytes", "send smaller edits or fewer prompts")))
+                limit, f"a body of {int(size)} bytes", "send smaller dictionaries" if limit == "max_dictionary_bytes"
+                else "send smaller edits or fewer prompts")))
     return None
 
 
@@ -182,10 +195,13 @@ async def capture(body: CaptureRequest) -> Response:
     owner = replica()
     try:
         tokens, points, positions, edits = _parsed(owner, body)
-        owner.check_limits(tokens, points, positions)
-        captured = await owner.run(tokens, points, positions, edits)
+        saes, widths = _dictionaries(owner, body)
+        owner.check_limits(tokens, points, positions, widths=widths)
+        captured = await owner.run(tokens, points, positions, edits, saes)
         data = http_wire.encode_capture(captured, points)
         owner.limits.check_response(len(data))
+    except MissingDictionary as err:
+        return JSONResponse({"error": "MissingDictionary", "message": str(err), "keys": err.keys}, status_code=409)
     except REFUSED as err:
         return _refusal(err)
     return Response(data, media_type=SAFETENSORS)
@@ -198,10 +214,13 @@ async def generate(body: GenerateRequest) -> Response:
     options = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_at_eos")}
     try:
         tokens, points, positions, edits = _parsed(owner, body)
-        owner.check_limits(tokens, points, positions, body.max_tokens)
-        generated = await owner.generate(tokens, points, options, positions, edits)
+        saes, widths = _dictionaries(owner, body)
+        owner.check_limits(tokens, points, positions, body.max_tokens, widths=widths)
+        generated = await owner.generate(tokens, points, options, positions, edits, saes)
         data = http_wire.encode_capture(generated, points)
         owner.limits.check_response(len(data))
+    except MissingDictionary as err:
+        return JSONResponse({"error": "MissingDictionary", "message": str(err), "keys": err.keys}, status_code=409)
     except REFUSED as err:
         return _refusal(err)
     return Response(data, media_type=SAFETENSORS)
@@ -279,3 +298,23 @@ def _parsed(owner, body: CaptureRequest):
             if isinstance(item.get("positions"), dict):  # SliceJSON dumped
                 item["positions"] = {"slice": list(item["positions"]["slice"])}
     return tokens, points, positions, edits
+
+
+def _dictionaries(owner, body: CaptureRequest) -> tuple[list | None, dict[str, int]]:
+    """The request's dictionaries as ``[(key, data or None where the replica holds it)]``, and each
+    attached site's feature count (for the response bound). A
+    :class:`~interp_engine.errors.MissingDictionary` names the keys this replica lacks."""
+    if not body.saes:
+        if body.dictionaries:
+            raise InputError("'dictionaries' came without 'saes': name the call's dictionaries by key in 'saes'")
+        return None, {}
+    given = {key: http_wire.dictionary_from_json(text, key) for key, text in (body.dictionaries or {}).items()}
+    unused = sorted(set(given) - set(body.saes))
+    if unused:
+        raise InputError(f"dictionaries {unused} were sent but 'saes' does not name them")
+    missing = [key for key in owner.missing_dictionaries(body.saes) if key not in given]
+    if missing:
+        raise MissingDictionary(f"this replica holds no dictionary {missing} yet: send the request again with "
+                                f"their weights in 'dictionaries'", missing)
+    return [(key, given.get(key)) for key in body.saes], owner.feature_widths(body.saes, given)
+

@@ -27,6 +27,7 @@ from ..wire import Packed
 from ..errors import InternalError
 
 FORMAT = "interp_engine.capture/1"
+DICTIONARY_FORMAT = "interp_engine.dictionary/1"
 #: tensors of a capture response that are not addresses
 RESERVED = ("tokens", "positions")
 #: the dtypes a JSON tensor may carry, by name
@@ -94,6 +95,48 @@ def _edit_from_json(item: dict) -> dict:
         if item.get(key) is not None:
             data[key] = tensor_from_json(item[key])
             data["shape"] = list(data[key].shape)
+    return data
+
+
+# -- dictionaries --------------------------------------------------------------------------------
+#: the request field that carries dictionaries' weights, by key (sent once a replica asks for them)
+MISSING = "dictionaries"
+
+
+def dictionary_to_json(dictionary) -> str:
+    """A :class:`~interp_engine.features.Dictionary` as the base64 of one safetensors file: its
+    tensors in their own dtypes, its options and addresses in the header's metadata."""
+    from safetensors.torch import save
+
+    from ..wire import dictionary_for_worker
+
+    data = dictionary_for_worker(dictionary)
+    metadata = {"format": DICTIONARY_FORMAT, "key": data["key"], "options": json.dumps(data["options"]),
+                "reads": data["reads"], "writes": data["writes"]}
+    return base64.b64encode(save(data["tensors"], metadata)).decode()
+
+
+def dictionary_from_json(text: str, key: str) -> dict:
+    """The replica form (:func:`interp_engine.wire.dictionary_for_replica`) of the dictionary
+    :func:`dictionary_to_json` wrote; a ``ValueError`` unless it is well formed and its content
+    is what ``key`` names."""
+    from safetensors.torch import load
+
+    from ..wire import dictionary_from_replica
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+        metadata = _metadata(raw)
+        tensors = load(raw)
+    except Exception as err:  # noqa: BLE001 - any malformed upload is the client's error
+        raise ValueError(f"dictionary {key!r} is not a base64 safetensors file: {type(err).__name__}: {err}") from None
+    if metadata.get("format") != DICTIONARY_FORMAT:
+        raise ValueError(f"dictionary {key!r} has format {metadata.get('format')!r}, not {DICTIONARY_FORMAT!r}")
+    data = {"key": key, "tensors": {n: Packed.of(t) for n, t in tensors.items()},
+            "options": json.loads(metadata["options"]), "reads": metadata["reads"], "writes": metadata["writes"]}
+    if dictionary_from_replica(data).key != key:
+        raise ValueError(f"the weights sent as dictionary {key!r} are another dictionary's (their content key "
+                         f"differs): send each dictionary under its own key")
     return data
 
 

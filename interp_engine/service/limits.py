@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..address import Address
+from ..address import Address, FeatureAddress
 from ..points import ModelInfo
 from ..errors import LimitExceeded
 
@@ -31,6 +31,9 @@ class Limits:
     max_response_bytes: int = 512 * 2**20
     #: bytes of one request body (edit vectors travel in it)
     max_request_bytes: int = 64 * 2**20
+    #: bytes of dictionaries' weights one request may carry besides (sent once per replica, see
+    #: docs/SERVICE.md: a 16k-feature SAE on a 4096-wide residual is 512 MiB in float32)
+    max_dictionary_bytes: int = 2**30
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -59,8 +62,13 @@ class Limits:
                               "capture fewer points or positions (positions=) per request")
 
 
-def _per_row(address: Address, info: ModelInfo, positions: int, total: int) -> int:
-    """Elements of one row of ``address``'s tensor holding ``positions`` of ``total`` positions."""
+def _per_row(address, info: ModelInfo, positions: int, total: int, widths: dict[str, int]) -> int:
+    """Elements of one row of ``address``'s tensor holding ``positions`` of ``total`` positions
+    (a feature point: its ids, or every feature of the dictionary at its site, from ``widths``)."""
+    if isinstance(address, FeatureAddress):
+        if address.kind != "features":  # the error term has its site's width
+            return _per_row(address.site, info, positions, total, widths)
+        return positions * (len(address.ids) if address.ids is not None else widths.get(str(address.site), 0))
     heads = {"z": info.n_heads, "q": info.n_heads, "k": info.n_kv_heads, "v": info.n_kv_heads}
     if address.name in heads:
         return positions * heads[address.name] * info.d_head
@@ -77,12 +85,17 @@ def _per_row(address: Address, info: ModelInfo, positions: int, total: int) -> i
     return positions * info.d_model
 
 
-def response_bound(addresses: list[Address], info: ModelInfo, rows: int, positions: int, total: int,
-                   itemsize: int) -> int:
+def response_bound(addresses: list, info: ModelInfo, rows: int, positions: int, total: int,
+                   itemsize: int, widths: dict[str, int] | None = None) -> int:
     """At most how many bytes a capture of ``addresses`` returns for ``rows`` rows that hold
-    ``positions`` of ``total`` positions each (8 bytes an element for the int64 expert indices)."""
-    return sum(rows * _per_row(a, info, positions, total) * (8 if a.name == "expert_indices" else itemsize)
-               for a in addresses)
+    ``positions`` of ``total`` positions each (8 bytes an element for the int64 expert indices;
+    4 for feature activations, float32). ``widths``: ``{site: d_sae}`` of the call's dictionaries."""
+    def size(a) -> int:
+        if isinstance(a, FeatureAddress):
+            return 4
+        return 8 if a.name == "expert_indices" else itemsize
+
+    return sum(rows * _per_row(a, info, positions, total, widths or {}) * size(a) for a in addresses)
 
 
 def itemsize(dtype: str) -> int:

@@ -86,11 +86,28 @@ class CaptureReplica:
         """The service's own facts (name, url, model, backend, limits) and this replica's id, pid and Ray node."""
         return {**self.service, "replica": self.replica_id, "pid": os.getpid(), "node": self.core.node}
 
-    async def run(self, tokens, points, positions=None, edits=None) -> CaptureReply:
-        return await self._in_thread(self.core.run, tokens, points, positions, edits)
+    async def run(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
+        return await self._in_thread(self.core.run, tokens, points, positions, edits, saes)
 
-    async def generate(self, tokens, points, options: dict, positions=None, edits=None) -> GenerationReply:
-        return await self._in_thread(self.core.generate, tokens, points, options, positions, edits)
+    async def generate(self, tokens, points, options: dict, positions=None, edits=None,
+                       saes=None) -> GenerationReply:
+        return await self._in_thread(self.core.generate, tokens, points, options, positions, edits, saes)
+
+    def missing_dictionaries(self, keys: list[str]) -> list[str]:
+        """Those of ``keys`` this replica holds no dictionary for (an HTTP client then sends them)."""
+        held = self.core.__dict__.get("_dictionaries", {})
+        return [key for key in keys if key not in held]
+
+    def feature_widths(self, keys: list[str], given: dict) -> dict[str, int]:
+        """``{site: d_sae}`` of the dictionaries ``keys`` (held here, or ``given`` in replica form)."""
+        held = self.core.__dict__.get("_dictionaries", {})
+        out = {}
+        for key in keys:
+            if key in held:
+                out[str(held[key].reads)] = held[key].d_sae
+            else:
+                out[given[key]["reads"]] = given[key]["tensors"]["W_enc"].shape[-1]
+        return out
 
     async def write_shard(self, spec, index: int, texts: list[str]):
         return await self._in_thread(self.core.write_shard, spec, index, texts)
@@ -112,14 +129,16 @@ class CaptureReplica:
         """The addresses ``points`` names (site names expand to every layer), checked against the model."""
         return [str(a) for a in check_points(points, self.model.info, self.model.capabilities)]
 
-    def check_limits(self, tokens, points: list[str], positions=None, new_tokens: int = 0) -> None:
-        """Refuse (HTTP 413) a request over a limit, its response size bounded from the model's shapes."""
+    def check_limits(self, tokens, points: list[str], positions=None, new_tokens: int = 0,
+                     widths: dict[str, int] | None = None) -> None:
+        """Refuse (HTTP 413) a request over a limit, its response size bounded from the model's shapes
+        (a feature point's from ``widths``, its dictionary's feature count by site)."""
         rows, width = tokens.shape
         self.limits.check_request(rows, width, len(points), new_tokens)
         total = width + new_tokens
         held = total if positions is None else min(total, width_bound(positions, total))
         bound = response_bound([parse_address(p) for p in points], self.model.info, rows, held, total,
-                               itemsize(self.model.dtype))
+                               itemsize(self.model.dtype), widths or {})
         self.limits.check_response(bound, "a response that may reach")
 
     async def info_json(self) -> dict:

@@ -22,7 +22,7 @@ import urllib.parse
 from typing import Any
 
 from .. import errors
-from ..errors import InputError, RemoteError, ServiceAuthError, ServiceError
+from ..errors import InputError, InternalError, RemoteError, ServiceAuthError, ServiceError
 
 #: how long a lost or refused-for-load request keeps being sent again
 RETRY_TIMEOUT_S = 300.0
@@ -151,17 +151,31 @@ class RayTransport:
         return Facts(replica.info, replica.capabilities, replica.model_dtype, replica.tokenizer_files,
                      self.call("describe"))
 
-    def run(self, tokens, points, positions=None, edits=None):
-        return self.call("run", tokens, points, positions, edits)
+    def dictionaries(self, plan) -> list:
+        """``[(key, object ref)]`` of a call's dictionaries (a checked ``FeaturePlan``), each put in
+        the object store once; a replica fetches and keeps each by key, as a cluster replica does."""
+        import ray
 
-    def generate(self, tokens, points, options, positions=None, edits=None):
-        return self.call("generate", tokens, points, options, positions, edits)
+        from ..wire import dictionary_for_replica
 
-    async def arun(self, tokens, points, positions=None, edits=None):
-        return await self.acall("run", tokens, points, positions, edits)
+        held = self.__dict__.setdefault("_dictionaries", {})
+        for attached in plan.attached:
+            d = attached.dictionary
+            if d.key not in held:
+                held[d.key] = ray.put(dictionary_for_replica(d))
+        return [(a.dictionary.key, held[a.dictionary.key]) for a in plan.attached]
 
-    async def agenerate(self, tokens, points, options, positions=None, edits=None):
-        return await self.acall("generate", tokens, points, options, positions, edits)
+    def run(self, tokens, points, positions=None, edits=None, saes=None):
+        return self.call("run", tokens, points, positions, edits, saes)
+
+    def generate(self, tokens, points, options, positions=None, edits=None, saes=None):
+        return self.call("generate", tokens, points, options, positions, edits, saes)
+
+    async def arun(self, tokens, points, positions=None, edits=None, saes=None):
+        return await self.acall("run", tokens, points, positions, edits, saes)
+
+    async def agenerate(self, tokens, points, options, positions=None, edits=None, saes=None):
+        return await self.acall("generate", tokens, points, options, positions, edits, saes)
 
     def o_proj_weight(self, layer: int):
         return self.call("o_proj_weight", layer).tensor()
@@ -203,6 +217,8 @@ class HttpTransport:
         self._local = threading.local()
         #: requests sent again after they were lost or refused for load
         self.resent = 0
+        #: dictionaries' weights sent to replicas that asked for them (once per replica and dictionary)
+        self.dictionaries_sent = 0
 
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
@@ -215,6 +231,8 @@ class HttpTransport:
         headers = {"Authorization": self._auth}
         if payload is not None:
             headers["Content-Type"] = "application/json"
+            if "dictionaries" in body:  # http_wire.MISSING: weights the replica asked for
+                headers["X-Interp-Engine-Dictionaries"] = "1"
         connection = self._connection()
         try:
             connection.request(method, self.base + path, body=payload, headers=headers)
@@ -255,6 +273,8 @@ class HttpTransport:
                                f"interp-engine status lists the services)")
         if status == 422 and isinstance(answer, dict) and "detail" in answer:
             raise InputError(f"the service refused the request's form: {json.dumps(answer['detail'])[:2000]}")
+        if status == 409 and ours and answer["error"] == "MissingDictionary":
+            raise errors.MissingDictionary(answer["message"], answer.get("keys", []))
         if ours:
             cls = getattr(errors, answer["error"], None)
             if isinstance(cls, type) and issubclass(cls, Exception):
@@ -278,33 +298,51 @@ class HttpTransport:
         return Facts(info, capabilities, answer["dtype"], files, answer["service"])
 
     @staticmethod
-    def _body(tokens, points, positions, edits) -> dict:
+    def _body(tokens, points, positions, edits, saes) -> dict:
         from ..wire import spec_to_json
         from .http_wire import edits_to_json
 
-        return {"tokens": tokens.tolist(), "points": list(points), "positions": spec_to_json(positions),
+        body = {"tokens": tokens.tolist(), "points": list(points), "positions": spec_to_json(positions),
                 "edits": edits_to_json(edits)}
+        if saes:
+            body["saes"] = [key for key, _ in saes]
+        return body
 
-    def run(self, tokens, points, positions=None, edits=None):
-        from .http_wire import decode_capture
+    def dictionaries(self, plan) -> list:
+        """``[(key, dictionary)]`` of a call's dictionaries (a checked ``FeaturePlan``). A request
+        names them by key; a replica that does not hold one yet answers 409 with the keys it
+        lacks, and the request is sent again once with those dictionaries' weights."""
+        return [(a.dictionary.key, a.dictionary) for a in plan.attached]
 
-        return decode_capture(self.request("POST", "/capture", self._body(tokens, points, positions, edits)))
+    def _capture(self, path: str, body: dict, saes):
+        from .http_wire import MISSING, decode_capture, dictionary_to_json
 
-    def generate(self, tokens, points, options, positions=None, edits=None):
-        from .http_wire import decode_capture
+        try:
+            return decode_capture(self.request("POST", path, body))
+        except errors.MissingDictionary as missing:
+            if not saes or not set(missing.keys) <= {key for key, _ in saes}:
+                raise InternalError(f"[Internal] the service asked for dictionaries {missing.keys} this request "
+                                    f"did not name") from None
+        # every one of the call's dictionaries: whichever replica takes the request then has them all
+        sent = {key: dictionary_to_json(d) for key, d in saes}
+        self.dictionaries_sent += len(sent)
+        return decode_capture(self.request("POST", path, {**body, MISSING: sent}))
 
-        body = {**self._body(tokens, points, positions, edits), **options}
-        return decode_capture(self.request("POST", "/generate", body))
+    def run(self, tokens, points, positions=None, edits=None, saes=None):
+        return self._capture("/capture", self._body(tokens, points, positions, edits, saes), saes)
 
-    async def arun(self, tokens, points, positions=None, edits=None):
+    def generate(self, tokens, points, options, positions=None, edits=None, saes=None):
+        return self._capture("/generate", {**self._body(tokens, points, positions, edits, saes), **options}, saes)
+
+    async def arun(self, tokens, points, positions=None, edits=None, saes=None):
         from .. import cancel
 
-        return await cancel.in_thread(self.run, tokens, points, positions, edits)
+        return await cancel.in_thread(self.run, tokens, points, positions, edits, saes)
 
-    async def agenerate(self, tokens, points, options, positions=None, edits=None):
+    async def agenerate(self, tokens, points, options, positions=None, edits=None, saes=None):
         from .. import cancel
 
-        return await cancel.in_thread(self.generate, tokens, points, options, positions, edits)
+        return await cancel.in_thread(self.generate, tokens, points, options, positions, edits, saes)
 
     def o_proj_weight(self, layer: int):
         from .http_wire import decode_tensors

@@ -72,6 +72,7 @@ from .errors import InternalError as InternalError
 from .errors import LimitExceeded as LimitExceeded
 from .errors import LoopbackError as LoopbackError
 from .errors import MissingActivations as MissingActivations
+from .errors import MissingDictionary as MissingDictionary
 from .errors import ModelNotFound as ModelNotFound
 from .errors import PromptsError as PromptsError
 from .errors import RoutingError as RoutingError

@@ -106,7 +106,7 @@ class CaptureReplica:
             if key in held:
                 out[str(held[key].reads)] = held[key].d_sae
             else:
-                out[given[key]["reads"]] = given[key]["tensors"]["W_enc"].shape[-1]
+                out[given[key]["reads"]] = given[key]["tensors"]["W_enc"].tensor().shape[-1]
         return out
 
     async def write_shard(self, spec, index: int, texts: list[str]):

@@ -127,6 +127,8 @@ def format_address(address: Address | FeatureAddress, style: str = "ours") -> st
     if style == "tl":
         from .tl_names import tl_name
 
+        if isinstance(address, FeatureAddress):  # the site's hook name, then the feature part as ours
+            return tl_name(address.site) + format_address(address)[len(format_address(address.site)):]
         return tl_name(address)
     if style != "ours":
         raise AddressError(f"format_address: style must be 'ours' ('z.7') or 'tl' ('blocks.7.attn.hook_z'), "

@@ -1,7 +1,7 @@
 """Job entrypoint: build a feature dashboard from a YAML/JSON config.
 
-    python jobs/feature_dashboard.py jobs/examples/dashboard.yaml
-    ray job submit --working-dir . -- python jobs/feature_dashboard.py jobs/examples/dashboard.yaml
+    python jobs/feature_dashboard.py config.yaml
+    ray job submit --working-dir . -- python jobs/feature_dashboard.py config.yaml
 
 The model runs in the job's own process (eager or vLLM), or on ``replicas: N`` copies on the
 Ray cluster (each encodes its share; the job merges the tallies). A config such as::

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from interp_engine import Address, AddressError, format_address, parse_address, to_address
+from interp_engine.address import FeatureAddress
 from interp_engine.points import ModelInfo, check_points
 from interp_engine.backends.eager.model import EagerModel
 from interp_engine.backends.vllm.model import VllmModel
@@ -17,6 +18,22 @@ INFO = ModelInfo("m", n_layers=4, d_model=8, n_heads=2, n_kv_heads=1, d_head=4, 
 def test_round_trip(text):
     assert format_address(parse_address(text)) == text
     assert parse_address(format_address(parse_address(text))) == parse_address(text)
+
+
+@pytest.mark.parametrize("text", ["resid_post.3.features", "resid_post.3.features[2,5]", "mlp_out.1.sae_error",
+                                  "z.2.features[7]", "resid_streams.1.0.features"])
+def test_feature_points_round_trip(text):
+    address = parse_address(text)
+    assert isinstance(address, FeatureAddress) and format_address(address) == text
+    assert parse_address(str(address)) == address and hash(parse_address(text)) == hash(address)
+
+
+def test_feature_points_take_transformerlens_names_and_sort_their_ids():
+    assert parse_address("blocks.3.hook_resid_post.features") == FeatureAddress(Address("resid_post", 3))
+    assert parse_address("blocks.1.hook_mlp_out.sae_error") == FeatureAddress(Address("mlp_out", 1), "sae_error")
+    assert format_address(parse_address("resid_post.3.features[5,2,5]")) == "resid_post.3.features[2,5]"
+    assert format_address(parse_address("blocks.3.hook_resid_post.features"), style="tl") == \
+        "blocks.3.hook_resid_post.features"
 
 
 def test_forms_agree():

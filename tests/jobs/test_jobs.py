@@ -148,6 +148,36 @@ def test_job_submit_with_token_builds_the_dataset(script_cluster, tiny_path, tmp
     assert info.value.code == 401
 
 
+def test_job_submit_builds_a_feature_dashboard(script_cluster, tiny_path, eager_models, tmp_path):
+    """jobs/feature_dashboard.py through `ray job submit`, with a SAELens folder: the dashboard it
+    writes equals the one feature_dashboard() builds here."""
+    import torch
+
+    from interp_engine import feature_dashboard, load_dictionary, save_dictionary
+
+    from .. import sparse_dicts as sd
+    from ..oracles import REL_SAME, assert_near
+
+    _, variables = script_cluster
+    folder = save_dictionary(sd.sae(k=12), tmp_path / "sae")
+    prompts = ["The quick brown fox", "jumps over", "the lazy dog", "and runs", "far away from here"]
+    config = tmp_path / "dashboard.yaml"
+    config.write_text(yaml.safe_dump({"model": str(tiny_path("llama")), "prompts": prompts,
+                                      "saes": [{"path": str(folder), "name": "l1"}], "output": str(tmp_path / "job"),
+                                      "top_k": 3, "shard_size": 2, "progress": False}))
+    done = subprocess.run([str(Path(PY).parent / "ray"), "job", "submit", "--working-dir", ".", "--", "python",
+                           "jobs/feature_dashboard.py", str(config)], cwd=ROOT, env=_env(variables),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    job = pq.read_table(tmp_path / "job" / "features.parquet").to_pandas()
+    here = feature_dashboard(eager_models("llama"), prompts, [load_dictionary(folder, name="l1")], tmp_path / "here",
+                             top_k=3, shard_size=2).features().to_pandas()
+    assert len(job) == len(here) == sd.D_SAE and (job["n_fired"] == here["n_fired"]).all()
+    assert job["n_fired"].sum() > 0
+    assert_near(torch.tensor(job["max_activation"].to_numpy()), torch.tensor(here["max_activation"].to_numpy()),
+                "maxima", REL_SAME)
+
+
 def test_driver_killed_mid_build_resumes_to_the_same_dataset(script_cluster, tiny_path, eager_models, tmp_path):
     from interp_engine.dataset.build import build_dataset
 

@@ -317,4 +317,3 @@ def _dictionaries(owner, body: CaptureRequest) -> tuple[list | None, dict[str, i
         raise MissingDictionary(f"this replica holds no dictionary {missing} yet: send the request again with "
                                 f"their weights in 'dictionaries'", missing)
     return [(key, given.get(key)) for key in body.saes], owner.feature_widths(body.saes, given)
-

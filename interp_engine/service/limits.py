@@ -62,7 +62,7 @@ class Limits:
                               "capture fewer points or positions (positions=) per request")
 
 
-def _per_row(address, info: ModelInfo, positions: int, total: int, widths: dict[str, int]) -> int:
+def _per_row(address: Address | FeatureAddress, info: ModelInfo, positions: int, total: int, widths: dict[str, int]) -> int:
     """Elements of one row of ``address``'s tensor holding ``positions`` of ``total`` positions
     (a feature point: its ids, or every feature of the dictionary at its site, from ``widths``)."""
     if isinstance(address, FeatureAddress):
@@ -85,7 +85,7 @@ def _per_row(address, info: ModelInfo, positions: int, total: int, widths: dict[
     return positions * info.d_model
 
 
-def response_bound(addresses: list, info: ModelInfo, rows: int, positions: int, total: int,
+def response_bound(addresses: list[Address | FeatureAddress], info: ModelInfo, rows: int, positions: int, total: int,
                    itemsize: int, widths: dict[str, int] | None = None) -> int:
     """At most how many bytes a capture of ``addresses`` returns for ``rows`` rows that hold
     ``positions`` of ``total`` positions each (8 bytes an element for the int64 expert indices;

@@ -60,6 +60,19 @@ def test_cluster_generation_with_a_feature_edit_equals_local(cluster_llama, eage
     assert got_c.token_ids == want_c.token_ids and (got["resid_post.1.features[7]"] == 8.0).all()
 
 
+def test_ce_loss_recovered_on_a_cluster_equals_local(cluster_llama, eager_models):
+    """The splice runs where the activations are made (the replicas), through the same calls."""
+    from interp_engine.features import ce_loss_recovered
+
+    tc = sd.transcoder()
+    got = ce_loss_recovered(cluster_llama, tc, PROMPTS[:3] + PROMPTS[4:], batch_size=2)
+    want = ce_loss_recovered(eager_models("llama"), tc, PROMPTS[:3] + PROMPTS[4:], batch_size=2)
+    assert got.tokens == want.tokens > 0
+    for name in ("clean", "spliced", "ablated"):
+        assert abs(getattr(got, name) - getattr(want, name)) <= 1e-5 * abs(getattr(want, name)), name
+    assert want.spliced != want.clean != want.ablated
+
+
 def test_cluster_dataset_and_dashboard_equal_local(cluster_llama, eager_models, tmp_path):
     local = eager_models("llama")
     sae = sd.sae(k=12)

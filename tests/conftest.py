@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # vllm / ray / s3 / slow, from one table (tests/markers.py)
         callspec = getattr(item, "callspec", None)
         for mark in sorted(markers.markers_of(item.module.__name__.rsplit(".", 1)[-1],
-                                              callspec.params if callspec else {})):
+                                              callspec.params if callspec else {}, item.fixturenames)):
             item.add_marker(getattr(pytest.mark, mark))
     if devices.DEVICE == "cpu":
         return

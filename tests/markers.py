@@ -19,9 +19,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     # a Ray cluster (local, token auth)
     **{m: ("ray",) for m in (
         "test_cluster", "test_cluster_configs", "test_features_cluster", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",
-        "test_security", "test_jobs", "test_docs", "test_family_cluster", "test_service", "test_service_scaling")},
+        "test_security", "test_jobs", "test_docs", "test_family_cluster", "test_service", "test_service_scaling",
+        "test_tl_cluster")},
     "test_cluster_vllm": ("ray", "vllm"),
-    "test_tl_cluster": ("ray", "vllm"),
     "test_service_vllm": ("ray", "vllm"),
     "test_cancel": ("ray", "vllm"),
     "test_dataset_speed": ("vllm",),
@@ -38,10 +38,14 @@ MODULES: dict[str, tuple[str, ...]] = {
 
 #: a parameter value that marks the one test case it selects
 PARAMS: dict[str, str] = {"vllm": "vllm", "cluster": "ray"}
+#: a fixture that marks every test asking for it by name (a vLLM replica of a shared cluster)
+FIXTURES: dict[str, str] = {"cluster_vllm": "vllm"}
 
 
-def markers_of(module: str, params: dict) -> set[str]:
-    """The markers of a test in ``module`` called with ``params`` (its parametrization)."""
+def markers_of(module: str, params: dict, fixtures=()) -> set[str]:
+    """The markers of a test in ``module`` called with ``params`` (its parametrization) and
+    asking for ``fixtures``."""
     found = set(MODULES.get(module, ()))
     found |= {mark for value, mark in PARAMS.items() if value in params.values()}
+    found |= {mark for name, mark in FIXTURES.items() if name in fixtures}
     return found

@@ -25,7 +25,8 @@ overlap). ``/proc/loadavg`` is printed before and after each part.
 - ``rss``: peak resident memory of a local vLLM build of ``--rss-sizes`` prompts (default 1,000
   and 10,000; short prompts of 6-15 words, so the large build takes minutes), each size in a
   fresh process: the high-water mark (``VmHWM``) of that process and of every process under it
-  (vLLM's engine core), read while they are alive; the ratio of the sums, largest / smallest.
+  (an engine-core process, where vLLM runs one; vLLM 0.32's CPU engine runs in the process
+  itself), read while they are alive; the ratio of the sums, largest / smallest.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import json
 from typing import Any, Literal, Union
 
 import numpy as np
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -190,12 +190,12 @@ async def info() -> dict[str, Any]:
 
 
 @app.post("/capture", response_class=Response, responses={200: {"content": {SAFETENSORS: {}}}})
-async def capture(body: CaptureRequest) -> Response:
+async def capture(body: CaptureRequest, request: Request) -> Response:
     """``run_with_cache`` of a padded batch; the activations as a safetensors file."""
     owner = replica()
     try:
         tokens, points, positions, edits = _parsed(owner, body)
-        saes, widths = _dictionaries(owner, body)
+        saes, widths = _dictionaries(owner, body, int(request.headers["content-length"]))
         owner.check_limits(tokens, points, positions, widths=widths)
         captured = await owner.run(tokens, points, positions, edits, saes)
         data = http_wire.encode_capture(captured, points)
@@ -208,13 +208,13 @@ async def capture(body: CaptureRequest) -> Response:
 
 
 @app.post("/generate", response_class=Response, responses={200: {"content": {SAFETENSORS: {}}}})
-async def generate(body: GenerateRequest) -> Response:
+async def generate(body: GenerateRequest, request: Request) -> Response:
     """``capture_generation`` of one prompt; the activations and the completion (in the file's metadata)."""
     owner = replica()
     options = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_at_eos")}
     try:
         tokens, points, positions, edits = _parsed(owner, body)
-        saes, widths = _dictionaries(owner, body)
+        saes, widths = _dictionaries(owner, body, int(request.headers["content-length"]))
         owner.check_limits(tokens, points, positions, body.max_tokens, widths=widths)
         generated = await owner.generate(tokens, points, options, positions, edits, saes)
         data = http_wire.encode_capture(generated, points)
@@ -300,10 +300,15 @@ def _parsed(owner, body: CaptureRequest):
     return tokens, points, positions, edits
 
 
-def _dictionaries(owner, body: CaptureRequest) -> tuple[list | None, dict[str, int]]:
+def _dictionaries(owner, body: CaptureRequest, size: int) -> tuple[list | None, dict[str, int]]:
     """The request's dictionaries as ``[(key, data or None where the replica holds it)]``, and each
     attached site's feature count (for the response bound). A
-    :class:`~interp_engine.errors.MissingDictionary` names the keys this replica lacks."""
+    :class:`~interp_engine.errors.MissingDictionary` names the keys this replica lacks. ``size``:
+    the body's bytes; what is not dictionaries' weights stays under ``max_request_bytes``."""
+    rest = size - sum(len(text) for text in (body.dictionaries or {}).values())
+    if rest > owner.limits.max_request_bytes:
+        raise owner.limits.refuse("max_request_bytes", f"a body of {rest} bytes besides dictionaries' weights",
+                                  "send smaller edits or fewer prompts")
     if not body.saes:
         if body.dictionaries:
             raise InputError("'dictionaries' came without 'saes': name the call's dictionaries by key in 'saes'")

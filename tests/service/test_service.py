@@ -225,7 +225,7 @@ def test_features_through_ray_and_http_equal_the_local_model(service, eager_mode
 
 
 def test_a_dictionary_sent_under_another_key_is_refused(service):
-    from interp_engine.service.http_wire import dictionary_to_json
+    from interp_engine.service.http_wire import dictionary_to_json, tensor_to_json
 
     from .. import sparse_dicts as sd
 
@@ -240,6 +240,11 @@ def test_a_dictionary_sent_under_another_key_is_refused(service):
                                 "message": json.loads(data)["message"]}
     status, _, _ = _http(service, "POST", "/capture", {**body, "dictionaries": {one.key: dictionary_to_json(one)}})
     assert status == 413  # without the header, weights count against max_request_bytes
+    # with it, what is not weights still does
+    big = {"tokens": [[1, 2, 3]], "points": ["resid_post.1"],
+           "edits": {"resid_post.1": {"kind": "add", "vector": tensor_to_json(torch.zeros(LIMITS.max_request_bytes // 3))}}}
+    status, _, data = _http(service, "POST", "/capture", big, headers={"X-Interp-Engine-Dictionaries": "1"})
+    assert status == 413 and "max_request_bytes" in json.loads(data)["message"]
 
 
 def test_every_request_needs_the_bearer_token(service):

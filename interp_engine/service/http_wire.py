@@ -9,8 +9,12 @@ Activations come back as one safetensors file (``application/octet-stream``): a 
 captured address, named by its string form (``"resid_post.10"``), ``"tokens"`` (int64 ``[batch,
 pos]``, right-padded with -1: what the model ran) and, when ``positions=`` kept a selection,
 ``"positions"`` (int64 ``[batch, held]``, -1 where a row holds fewer). Neither reserved name is an
-address. The header's ``__metadata__`` holds ``format`` (:data:`FORMAT`), ``points`` (a JSON list
-of the addresses in request order) and, for a generation, ``completion``: a JSON object
+address. A dictionary's whole feature vector (``"resid_post.3.features"``) travels as its active
+entries only, compressed rows: ``"<point>/offsets"`` (int64, one more than the rows), ``"<point>/ids"``
+(int32) and ``"<point>/values"``; row ``r``'s features are ``ids[offsets[r]:offsets[r+1]]``. The
+header's ``__metadata__`` holds ``format`` (:data:`FORMAT`), ``points`` (a JSON list of the
+addresses in request order), ``sparse`` when there are such points (a JSON object: point ->
+``{"shape": [batch, pos], "width": d_sae}``) and, for a generation, ``completion``: a JSON object
 ``{"text", "token_ids", "finish_reason"}``.
 """
 
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 
 from ..wire import CaptureReply, GenerationReply
-from ..wire import Packed
+from ..wire import Packed, SparsePacked
 from ..errors import InternalError
 
 FORMAT = "interp_engine.capture/1"
@@ -145,11 +149,21 @@ def encode_capture(result: CaptureReply | GenerationReply, points: list[str] | N
     """One capture (or generation) result as the bytes of a safetensors file (see the module doc)."""
     from safetensors.torch import save
 
-    tensors = {name: packed.tensor() for name, packed in result.tensors.items()}
+    tensors, sparse = {}, {}
+    for name, packed in result.tensors.items():
+        if isinstance(packed, SparsePacked):  # a dictionary's features: the active ones, as compressed rows
+            tensors[f"{name}/offsets"] = torch.from_numpy(np.array(packed.offsets, dtype=np.int64))
+            tensors[f"{name}/ids"] = torch.from_numpy(np.array(packed.ids, dtype=np.int32))
+            tensors[f"{name}/values"] = packed.values.tensor()
+            sparse[name] = {"shape": list(packed.shape), "width": packed.width}
+        else:
+            tensors[name] = packed.tensor()
     tensors["tokens"] = torch.from_numpy(np.array(result.tokens, dtype=np.int64))
     if result.positions is not None:
         tensors["positions"] = torch.from_numpy(np.array(result.positions, dtype=np.int64))
     metadata = {"format": FORMAT, "points": json.dumps(points if points is not None else list(result.tensors))}
+    if sparse:
+        metadata["sparse"] = json.dumps(sparse)
     if isinstance(result, GenerationReply):
         metadata["completion"] = json.dumps({"text": result.text, "token_ids": list(result.token_ids),
                                              "finish_reason": result.finish_reason})
@@ -166,7 +180,11 @@ def decode_capture(body: bytes) -> CaptureReply | GenerationReply:
                             f"not {FORMAT!r}: client and service are different versions")
     loaded = load(body)
     points = json.loads(metadata["points"])
-    tensors = {p: Packed.of(loaded[p]) for p in points}
+    sparse = json.loads(metadata.get("sparse", "{}"))
+    tensors = {p: Packed.of(loaded[p]) if p not in sparse else
+               SparsePacked(loaded[f"{p}/offsets"].numpy(), loaded[f"{p}/ids"].numpy(), Packed.of(loaded[f"{p}/values"]),
+                            tuple(sparse[p]["shape"]), int(sparse[p]["width"]))
+               for p in points}
     tokens = loaded["tokens"].numpy()
     positions = loaded["positions"].numpy() if "positions" in loaded else None
     if "completion" in metadata:

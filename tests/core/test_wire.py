@@ -114,3 +114,26 @@ def test_a_dictionary_and_its_work_cross_as_tensors_and_come_back_equal():
     assert attached.feature_edits[0].selection.rows == ((1,),) and attached.error_edit.selection is None
     with pytest.raises(InternalError, match="was not sent"):
         features_from_worker(work, {})
+
+
+def test_an_http_capture_carries_features_as_their_active_entries():
+    """The service's HTTP answer (a safetensors file): a dictionary's feature tensor travels as
+    compressed rows, a fraction of the dense bytes, and comes back equal."""
+    import numpy as np
+
+    from interp_engine.service.http_wire import decode_capture, encode_capture
+    from interp_engine.wire import CaptureReply, pack_dict, unpack_dict
+
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(2, 7, 4096, generator=g)
+    features = torch.where(dense > 2.6, dense, torch.zeros(()))  # about 0.5 % active
+    resid = torch.randn(2, 7, 64, generator=g)
+    tensors = {parse_address("resid_post.3.features"): features, parse_address("resid_post.3"): resid}
+    tokens = np.arange(14).reshape(2, 7)
+    body = encode_capture(CaptureReply(pack_dict(tensors), tokens, None), ["resid_post.3.features", "resid_post.3"])
+    back = decode_capture(body)
+    got = unpack_dict(back.tensors)
+    assert torch.equal(got[parse_address("resid_post.3.features")], features)
+    assert torch.equal(got[parse_address("resid_post.3")], resid) and np.array_equal(back.tokens, tokens)
+    nnz = int((features != 0).sum())
+    assert len(body) < features.numel() * 4 / 10 and len(body) < resid.numel() * 4 + nnz * 8 + 4096

@@ -321,7 +321,8 @@ def main() -> None:
             if part in ("write", "rss"):
                 results[part] = part_write(args, work) if part == "write" else part_rss(args)
             else:
-                results[part] = {"vllm": part_vllm, "eager": part_eager, "cluster": part_cluster}[part](args, texts, work)
+                run = {"vllm": part_vllm, "eager": part_eager, "cluster": part_cluster}[part]
+                results[part] = run(args, texts, work)
             results[part]["loadavg"] = {"before": before, "after": loadavg()}
             print(f"== {part} done (loadavg {results[part]['loadavg']['after']})", flush=True)
     if args.json:

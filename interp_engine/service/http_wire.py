@@ -181,10 +181,13 @@ def decode_capture(body: bytes) -> CaptureReply | GenerationReply:
     loaded = load(body)
     points = json.loads(metadata["points"])
     sparse = json.loads(metadata.get("sparse", "{}"))
-    tensors = {p: Packed.of(loaded[p]) if p not in sparse else
-               SparsePacked(loaded[f"{p}/offsets"].numpy(), loaded[f"{p}/ids"].numpy(), Packed.of(loaded[f"{p}/values"]),
-                            tuple(sparse[p]["shape"]), int(sparse[p]["width"]))
-               for p in points}
+    def packed(p: str):
+        if p not in sparse:
+            return Packed.of(loaded[p])
+        return SparsePacked(loaded[f"{p}/offsets"].numpy(), loaded[f"{p}/ids"].numpy(),
+                            Packed.of(loaded[f"{p}/values"]), tuple(sparse[p]["shape"]), int(sparse[p]["width"]))
+
+    tensors = {p: packed(p) for p in points}
     tokens = loaded["tokens"].numpy()
     positions = loaded["positions"].numpy() if "positions" in loaded else None
     if "completion" in metadata:

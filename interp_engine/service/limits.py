@@ -62,7 +62,8 @@ class Limits:
                               "capture fewer points or positions (positions=) per request")
 
 
-def _per_row(address: Address | FeatureAddress, info: ModelInfo, positions: int, total: int, widths: dict[str, int]) -> int:
+def _per_row(address: Address | FeatureAddress, info: ModelInfo, positions: int, total: int,
+             widths: dict[str, int]) -> int:
     """Elements of one row of ``address``'s tensor holding ``positions`` of ``total`` positions
     (a feature point: its ids, or every feature of the dictionary at its site, from ``widths``)."""
     if isinstance(address, FeatureAddress):

@@ -241,8 +241,8 @@ def test_a_dictionary_sent_under_another_key_is_refused(service):
     status, _, _ = _http(service, "POST", "/capture", {**body, "dictionaries": {one.key: dictionary_to_json(one)}})
     assert status == 413  # without the header, weights count against max_request_bytes
     # with it, what is not weights still does
-    big = {"tokens": [[1, 2, 3]], "points": ["resid_post.1"],
-           "edits": {"resid_post.1": {"kind": "add", "vector": tensor_to_json(torch.zeros(LIMITS.max_request_bytes // 3))}}}
+    vector = tensor_to_json(torch.zeros(LIMITS.max_request_bytes // 3))
+    big = {"tokens": [[1, 2, 3]], "points": ["resid_post.1"], "edits": {"resid_post.1": {"kind": "add", "vector": vector}}}
     status, _, data = _http(service, "POST", "/capture", big, headers={"X-Interp-Engine-Dictionaries": "1"})
     assert status == 413 and "max_request_bytes" in json.loads(data)["message"]
 

@@ -18,11 +18,6 @@ from interp_engine.dataset.shard import read_tensor
 PROMPTS = [f"Example {i}: " + "spam " * (i % 6) + "eggs" for i in range(11)]
 
 
-@pytest.fixture(scope="module")
-def llama(eager_models):
-    return eager_models("llama")
-
-
 def test_sequence_layout_rows_are_the_padded_capture(llama, tmp_path):
     ds = build_dataset(llama, PROMPTS, ["resid_post.1", "z.2", "pattern.0"], tmp_path / "d", shard_size=4,
                        progress=False)

@@ -17,11 +17,6 @@ NAME = "part-{:05d}-of-00010.parquet"
 
 
 @pytest.fixture(scope="module")
-def llama(eager_models):
-    return eager_models("llama")
-
-
-@pytest.fixture(scope="module")
 def clean(llama, tmp_path_factory):
     ds = build_dataset(llama, PROMPTS, POINTS, tmp_path_factory.mktemp("clean") / "d", shard_size=4, progress=False)
     return {f.name: f.read_bytes() for f in ds.files}

@@ -28,11 +28,6 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def llama(eager_models):
-    return eager_models("llama")
-
-
-@pytest.fixture(scope="module")
 def local(llama, tmp_path_factory):
     return build_dataset(llama, PROMPTS, POINTS, tmp_path_factory.mktemp("s3local") / "d", layout="token",
                          shard_size=4, progress=False)

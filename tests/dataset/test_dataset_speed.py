@@ -22,11 +22,6 @@ PROMPTS = [f"Prompt {i}: " + "lorem ipsum " * (i % 7) for i in range(23)]
 POINTS = ["resid_post.1", "z.2"]
 
 
-@pytest.fixture(scope="module")
-def llama(eager_models):
-    return eager_models("llama")
-
-
 def _sha(ds) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in ds.files}
 

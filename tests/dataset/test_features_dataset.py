@@ -17,11 +17,6 @@ PROMPTS = [f"Prompt {i}: " + "more words " * (i % 4) + "end" for i in range(7)]
 POINTS = ["resid_post.1", "resid_post.1.features", "resid_post.1.features[3,9]", "resid_post.1.sae_error"]
 
 
-@pytest.fixture(scope="module")
-def llama(eager_models):
-    return eager_models("llama")
-
-
 def shard_caches(model, sae, shard_size):
     """The capture of each shard's padded batch (what the build runs, one batch per shard)."""
     for first in range(0, len(PROMPTS), shard_size):

@@ -1,4 +1,4 @@
-"""A client process of the capture service for tests/service/test_service.py: a fixed catalogue of mixed
+"""A client process of the capture service for tests/service/eager/test_service.py: a fixed catalogue of mixed
 requests (batched captures, generations, edits, position selections, async captures), run against
 a connected service from a separate process and saved as files the test compares with the same
 requests on a local model.

@@ -1,5 +1,5 @@
-"""The capture service on a real Ray Serve (the library's loopback Ray, started here): a tiny Llama
-deployed with 2 replicas, reached through Ray and over real HTTP from other processes, compared
+"""The capture service on a real Ray Serve (the library's loopback Ray, started in conftest.py): a
+tiny Llama deployed with 2 replicas, reached through Ray and over real HTTP from other processes, compared
 with the same requests on a local model; authentication, limits, a replica killed under load, a
 model that cannot load, and every socket on loopback."""
 
@@ -17,65 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp_engine import (AddressError, LimitExceeded, Limits, ServiceAuthError, ServiceError, connect,
+from interp_engine import (AddressError, LimitExceeded, ServiceAuthError, ServiceError, connect,
                            run_with_cache, serve, shutdown)
 from interp_engine.errors import RemoteError
 
-from .. import ray_exposure
-from ..oracles import assert_near
-from . import service_client
+from ... import ray_exposure
+from ...oracles import assert_near
+from .. import service_client
+from .served import NAME, REPLICA, ROOT, raw_http
 
 ray = pytest.importorskip("ray")
-ROOT = Path(__file__).resolve().parents[2]
-NAME = "tiny-llama"
-#: small enough to hit in a test, large enough for the catalogue of tests/service_client.py
-LIMITS = Limits(max_prompts=8, max_tokens=512, max_points=16, max_new_tokens=32, max_response_bytes=2**20,
-                max_request_bytes=2**16)
-REPLICA = dict(cpus_per_replica=0.5, torch_threads=1)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """The library's own loopback Ray, and the environment a client process needs to join it."""
-    from interp_engine.loopback import LOOPBACK_ENV, free_port, start_local_ray
-    from ray import serve as ray_serve
-
-    saved = os.environ.get("INTERP_ENGINE_CACHE")
-    os.environ["INTERP_ENGINE_CACHE"] = str(tmp_path_factory.mktemp("service_cache"))
-    start_local_ray(num_cpus=4)
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token",
-           **LOOPBACK_ENV, "PYTHONPATH": str(ROOT)}
-    try:
-        yield {"env": env, "port": free_port()}
-    finally:
-        ray_serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("INTERP_ENGINE_CACHE", None)
-        else:
-            os.environ["INTERP_ENGINE_CACHE"] = saved
-
-
-@pytest.fixture(scope="module")
-def service(cluster, tiny_path):
-    info = serve(str(tiny_path("llama")), name=NAME, replicas=2, port=cluster["port"], limits=LIMITS, **REPLICA)
-    yield info
-    shutdown(NAME)
-
-
-def _http(info, method: str, path: str, body=None, token: str | None = "own", headers: dict | None = None):
-    """(status, headers, body) of one raw HTTP request to the service."""
-    host, port = info.url.split("//")[1].split("/")[0].split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    sent = dict(headers or {})
-    if token is not None:
-        sent["Authorization"] = f"Bearer {info.token if token == 'own' else token}"
-    data = None if body is None else json.dumps(body).encode()
-    if data is not None:
-        sent["Content-Type"] = "application/json"
-    connection.request(method, f"/{info.name}{path}", body=data, headers=sent)
-    response = connection.getresponse()
-    return response.status, response.headers, response.read()
 
 
 def _same(got: tuple, want: tuple, what: str) -> None:
@@ -156,7 +107,7 @@ def test_build_dataset_through_a_connection_equals_a_local_build(service, eager_
     the service's own processes); over HTTP the client writes them. Both equal a local build."""
     from interp_engine import build_dataset
 
-    from ..oracles import torch_threads
+    from ...oracles import torch_threads
 
     eager = eager_models("llama")
     prompts = [service_client.PROMPTS[i % 6] * (1 + i % 3) for i in range(12)]
@@ -172,91 +123,16 @@ def test_build_dataset_through_a_connection_equals_a_local_build(service, eager_
     assert over_http.to_arrow().equals(local.to_arrow())
 
 
-def test_features_through_ray_and_http_equal_the_local_model(service, eager_models, tmp_path):
-    """Dictionaries reach the replicas by content key (through Ray: put in the object store once;
-    over HTTP: a replica that lacks one answers 409 and the request comes again with the weights,
-    once per replica), the features are encoded there, and the captures, feature edits, generation,
-    dataset and dashboard equal the local model's within the equality contract."""
-    from interp_engine import Set, Zero, build_dataset, capture_generation, feature_dashboard
-
-    from .. import sparse_dicts as sd
-    from ..oracles import REL_SAME
-
-    local = eager_models("llama")
-    prompts = list(service_client.PROMPTS[:5])
-    tokens = local.tok.to_tokens(prompts)
-    sae, tc = sd.sae(k=12), sd.transcoder()
-    points = ["resid_post.1.features", "resid_post.1.features[2,5]", "resid_post.1.sae_error",
-              "resid_mid.1.features", "mlp_out.1.sae_error", "logits"]
-    edits = {"resid_post.1.features[5]": Set(4.0, positions=[-1]), "mlp_out.1.sae_error": Zero()}
-    want = {i: run_with_cache(local, tokens, points, saes=[sae, tc], **kwargs)
-            for i, kwargs in enumerate(({}, {"edits": edits}))}
-    over_http = connect(service.url, token=service.token)
-    for model in (over_http, connect(NAME)):  # HTTP first: the replicas hold no dictionary yet
-        for i, kwargs in enumerate(({}, {"edits": edits})):
-            got = run_with_cache(model, tokens, points, saes=[sae, tc], **kwargs)
-            assert list(got) == list(want[i])
-            for point in points:
-                assert_near(got[point], want[i][point], f"{model.transport.kind} {point}", REL_SAME)
-        steer = dict(max_tokens=4, saes=sae, edits={"resid_post.1.features[7]": Set(8.0)})
-        one = local.to_tokens(prompts[0])
-        got_c, got = capture_generation(model, one, ["resid_post.1.features[7]"], **steer)
-        want_c, _ = capture_generation(local, one, ["resid_post.1.features[7]"], **steer)
-        assert got_c.token_ids == want_c.token_ids and (got["resid_post.1.features[7]"] == 8.0).all()
-        if model is over_http:  # both dictionaries, to each of the (at most 2) replicas that asked, once
-            assert 2 <= over_http.transport.dictionaries_sent <= 2 * 2
-    before = over_http.transport.dictionaries_sent
-    for _ in range(4):
-        run_with_cache(over_http, tokens, ["resid_post.1.features"], saes=sae)
-    assert over_http.transport.dictionaries_sent - before <= 1  # a replica the calls above never reached
-
-    kwargs = dict(layout="token", shard_size=2, progress=False, saes=sae)
-    base = build_dataset(local, prompts, ["resid_post.1.features"], tmp_path / "local", **kwargs)
-    dash_local = feature_dashboard(local, prompts, [sae], tmp_path / "dl", top_k=3, shard_size=2)
-    for model in (connect(NAME), over_http):
-        kind = model.transport.kind
-        ds = build_dataset(model, prompts, ["resid_post.1.features"], tmp_path / kind, **kwargs)
-        assert_near(ds.tensor("resid_post.1.features"), base.tensor("resid_post.1.features"), kind, REL_SAME)
-        dash = feature_dashboard(model, prompts, [sae], tmp_path / f"d{kind}", top_k=3, shard_size=2)
-        got, ref = dash.features().to_pandas(), dash_local.features().to_pandas()
-        assert (got["n_fired"] == ref["n_fired"]).all()
-        assert_near(torch.tensor(got["max_activation"].to_numpy()), torch.tensor(ref["max_activation"].to_numpy()),
-                    f"{kind} dashboard maxima", REL_SAME)
-
-
-def test_a_dictionary_sent_under_another_key_is_refused(service):
-    from interp_engine.service.http_wire import dictionary_to_json, tensor_to_json
-
-    from .. import sparse_dicts as sd
-
-    one, other = sd.sae(seed=0), sd.sae(seed=1)
-    body = {"tokens": [[1, 2, 3]], "points": ["resid_post.1.features"], "saes": [one.key],
-            "dictionaries": {one.key: dictionary_to_json(other)}}
-    status, _, data = _http(service, "POST", "/capture", body, headers={"X-Interp-Engine-Dictionaries": "1"})
-    assert status == 400 and "another dictionary's" in json.loads(data)["message"]
-    status, _, data = _http(service, "POST", "/capture", {**body, "dictionaries": None})
-    assert status == 409  # nothing was kept from the refused upload, on either replica
-    assert json.loads(data) == {"error": "MissingDictionary", "keys": [one.key],
-                                "message": json.loads(data)["message"]}
-    status, _, _ = _http(service, "POST", "/capture", {**body, "dictionaries": {one.key: dictionary_to_json(one)}})
-    assert status == 413  # without the header, weights count against max_request_bytes
-    # with it, what is not weights still does
-    vector = tensor_to_json(torch.zeros(LIMITS.max_request_bytes // 3))
-    big = {"tokens": [[1, 2, 3]], "points": ["resid_post.1"], "edits": {"resid_post.1": {"kind": "add", "vector": vector}}}
-    status, _, data = _http(service, "POST", "/capture", big, headers={"X-Interp-Engine-Dictionaries": "1"})
-    assert status == 413 and "max_request_bytes" in json.loads(data)["message"]
-
-
 def test_every_request_needs_the_bearer_token(service):
     for path in ("/info", "/ping", "/docs", "/openapi.json", "/nowhere"):
-        status, headers, _ = _http(service, "GET", path, token=None)
+        status, headers, _ = raw_http(service, "GET", path, token=None)
         assert status == 401 and headers["WWW-Authenticate"] == "Bearer", path
-        assert _http(service, "GET", path, token="x" + service.token)[0] == 403, path
-        assert _http(service, "GET", path, headers={"Authorization": f"Basic {service.token}"}, token=None)[0] == 403
-    assert _http(service, "POST", "/capture", {"tokens": [[1, 2]], "points": ["resid_post.0"]}, token=None)[0] == 401
-    status, _, body = _http(service, "GET", "/openapi.json")
+        assert raw_http(service, "GET", path, token="x" + service.token)[0] == 403, path
+        assert raw_http(service, "GET", path, headers={"Authorization": f"Basic {service.token}"}, token=None)[0] == 403
+    assert raw_http(service, "POST", "/capture", {"tokens": [[1, 2]], "points": ["resid_post.0"]}, token=None)[0] == 401
+    status, _, body = raw_http(service, "GET", "/openapi.json")
     assert status == 200 and {"/capture", "/generate", "/info"} <= set(json.loads(body)["paths"])
-    assert _http(service, "GET", "/docs")[0] == 200
+    assert raw_http(service, "GET", "/docs")[0] == 200
     for path, body in (("/-/healthz", b"success"), ("/-/routes", json.dumps({f"/{NAME}": NAME}, separators=(",", ":")).encode())):
         host, port = service.url.split("//")[1].split("/")[0].split(":")  # Serve's own paths, documented as open
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -275,12 +151,12 @@ def test_bad_requests_get_the_librarys_errors(service, eager_models):
     tokens = eager.to_tokens("abc")
     with pytest.raises(AddressError) as local:
         run_with_cache(eager, tokens, ["resid_post.9"])
-    status, _, body = _http(service, "POST", "/capture", {"tokens": tokens.tolist(), "points": ["resid_post.9"]})
+    status, _, body = raw_http(service, "POST", "/capture", {"tokens": tokens.tolist(), "points": ["resid_post.9"]})
     assert status == 400 and json.loads(body) == {"error": "AddressError", "message": str(local.value)}
-    status, _, body = _http(service, "POST", "/generate", {"tokens": tokens.tolist(), "points": ["logits"],
+    status, _, body = raw_http(service, "POST", "/generate", {"tokens": tokens.tolist(), "points": ["logits"],
                                                            "top_p": 1.5})
     assert status == 400 and "top_p must be" in json.loads(body)["message"]
-    status, _, body = _http(service, "POST", "/capture", {"tokens": "abc", "points": ["logits"]})
+    status, _, body = raw_http(service, "POST", "/capture", {"tokens": "abc", "points": ["logits"]})
     assert status == 422 and "tokens" in body.decode()
     for model in (connect(NAME), connect(service.url, token=service.token)):  # checked in the client, as locally
         with pytest.raises(AddressError) as remote:
@@ -304,10 +180,10 @@ def test_limits_are_refused_with_413_naming_the_limit(service):
             "max_request_bytes": {"tokens": [row], "points": ["resid_post.0"], "edits": {
                 "resid_post.0": {"kind": "add", "vector": {"shape": [20000], "data": "AAAA" * 20000}}}}}
     for limit, body in asks.items():
-        status, _, answer = _http(service, "POST", "/capture", body)
+        status, _, answer = raw_http(service, "POST", "/capture", body)
         assert status == 413, limit
         assert json.loads(answer)["error"] == "LimitExceeded" and f"{limit}=" in json.loads(answer)["message"]
-    status, _, answer = _http(service, "POST", "/generate", {"tokens": [row], "points": ["logits"], "max_tokens": 33})
+    status, _, answer = raw_http(service, "POST", "/generate", {"tokens": [row], "points": ["logits"], "max_tokens": 33})
     assert status == 413 and "max_new_tokens=32" in json.loads(answer)["message"]
     with pytest.raises(LimitExceeded, match="max_points=16"):
         run_with_cache(model, torch.tensor([row]), ["resid_pre", "resid_mid", "resid_post", "z", "attn_out", "mlp_out"])
@@ -374,7 +250,7 @@ def test_a_full_queue_answers_503_and_clients_back_off(cluster, tiny_path, eager
         body = {"tokens": eager.to_tokens("Hello").tolist(), "points": ["resid_post.2"], "max_tokens": 40,
                 "stop_at_eos": False}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda _: _http(info, "POST", "/generate", body), range(8)))
+            answers = list(pool.map(lambda _: raw_http(info, "POST", "/generate", body), range(8)))
         busy = [headers for status, headers, _ in answers if status == 503]
         assert busy and all(h["Retry-After"] == "1" for h in busy)
         assert {status for status, _, _ in answers} == {200, 503}

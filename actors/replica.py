@@ -20,6 +20,7 @@ from interp_engine import cancel
 from interp_engine.batching import run_padded
 from interp_engine.dataset.shard import ShardSpec, ShardStats
 from interp_engine.dataset.writer import MAX_WRITERS, ShardWriter
+from interp_engine.features.dictionary import Dictionary
 from interp_engine.model import CaptureModel
 from interp_engine.request import Points
 
@@ -115,13 +116,16 @@ class ReplicaCore:
         return generated
 
     def _saes(self, saes) -> list | None:
-        """The dictionaries ``[(key, data or object ref)]`` names, each fetched and rebuilt once
-        per replica and kept by key."""
+        """The dictionaries ``[(key, plain data, an object ref or a Dictionary)]`` names, each fetched and
+        rebuilt once per replica and kept by key (None: one this replica holds already)."""
         if not saes:
             return None
         held = self.__dict__.setdefault("_dictionaries", {})
         for key, data in saes:
             if key not in held:
+                if isinstance(data, Dictionary):  # rebuilt (and checked) already: an HTTP upload
+                    held[key] = data
+                    continue
                 if not isinstance(data, dict):  # an object ref the cluster model put
                     import ray
 

@@ -68,3 +68,13 @@ class Request:
     @property
     def generating(self) -> bool:
         return self.options is not None
+
+    def for_replica(self) -> tuple[list[str], dict | None]:
+        """The points (as strings) and planned edits a replica in another process receives: feature
+        points and feature edits travel as points and edits, which the replica plans again with the
+        dictionaries it is sent by key."""
+        points, edits = list(self.points.strings()), self.edits
+        if self.features is not None:
+            points += [str(p) for p in self.features.points]
+            edits = {**(edits or {}), **self.features.edit_map()}
+        return points, edits

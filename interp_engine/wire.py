@@ -281,6 +281,18 @@ def dictionary_for_replica(dictionary) -> dict:
     return {**data, "tensors": {n: Packed.of(t) for n, t in data["tensors"].items()}}
 
 
+def put_dictionaries(plan, held: dict[str, object]) -> list[tuple[str, object]]:
+    """``[(key, object ref)]`` of a checked call's dictionaries (a ``FeaturePlan``), each put in
+    Ray's object store once: ``held`` keeps the refs by key for the caller's later calls."""
+    import ray
+
+    for attached in plan.attached:
+        d = attached.dictionary
+        if d.key not in held:
+            held[d.key] = ray.put(dictionary_for_replica(d))
+    return [(a.dictionary.key, held[a.dictionary.key]) for a in plan.attached]
+
+
 def dictionary_from_replica(data: dict):
     """The dictionary :func:`dictionary_for_replica` described."""
     return dictionary_from_worker({**data, "tensors": {n: p.tensor() for n, p in data["tensors"].items()}})

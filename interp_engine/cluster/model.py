@@ -17,11 +17,10 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from ..address import Address
 from ..cache import Cache
 from ..errors import ClusterError, InputError, ShardFailed, user_error
 from ..dtypes import dtype_name
-from ..wire import dictionary_for_replica, edits_for_replica, unpack_dict
+from ..wire import edits_for_replica, put_dictionaries, unpack_dict
 from ..capabilities import backend_class
 from ..model import CaptureModel, Completion
 from ..request import Request
@@ -198,10 +197,6 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
             ray.cancel(ref)
             raise
 
-    @staticmethod
-    def _points(addresses: list[Address]) -> list[str]:
-        return [str(a) for a in addresses]
-
     # The positions spec travels as given (it was checked against these tokens here): each
     # replica resolves it against its own rows and keeps only those rows, so nothing else crosses.
     def _remote(self, r: Request):
@@ -209,29 +204,13 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
         if not r.detach:
             raise InputError("detach=False needs gradients, which do not cross Ray processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        points, edits = self._points(list(r.points)), r.edits
-        saes = None
-        if r.features is not None:  # feature points and edits travel as points and edits, the dictionaries by key
-            points += self._points(list(r.features.points))
-            edits = {**(edits or {}), **r.features.edit_map()}
-            saes = self._ship(r.features)
+        points, edits = r.for_replica()
+        saes = None if r.features is None else put_dictionaries(r.features, self._dictionaries)
         edits = edits_for_replica(edits)
         if r.options is None:
             return self._coordinator.run.remote(r.tokens.numpy(), points, _spec(r.positions), edits, saes)
         return self._coordinator.generate.remote(r.tokens.numpy(), points, dataclasses.asdict(r.options),
                                                  _spec(r.positions), edits, saes)
-
-    def _ship(self, plan) -> list:
-        """``[(key, object ref)]`` of the call's dictionaries, each put in the object store once."""
-        import ray
-
-        out = []
-        for attached in plan.attached:
-            d = attached.dictionary
-            if d.key not in self._dictionaries:
-                self._dictionaries[d.key] = ray.put(dictionary_for_replica(d))
-            out.append((d.key, self._dictionaries[d.key]))
-        return out
 
     def _result(self, reply, r: Request):
         if r.options is None:

@@ -91,11 +91,8 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         if not r.detach:
             raise InputError("detach=False needs gradients, which do not cross processes; load the model "
                              "locally: load_model(name, backend='eager', requires_grad=True)")
-        points, edits, saes = list(r.points.strings()), r.edits, None
-        if r.features is not None:
-            points += [str(p) for p in r.features.points]
-            edits = {**(edits or {}), **r.features.edit_map()}
-            saes = self.transport.dictionaries(r.features)
+        points, edits = r.for_replica()
+        saes = None if r.features is None else self.transport.dictionaries(r.features)
         return points, _spec(r.positions), edits_for_replica(edits), saes
 
     def _execute(self, request: Request):

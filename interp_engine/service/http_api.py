@@ -160,12 +160,15 @@ app.add_middleware(BearerToken)
 
 
 def _refusal(err: Exception) -> JSONResponse:
-    """A library refusal as its HTTP answer: 413 over a limit, 400 for any other bad input."""
+    """A library refusal as its HTTP answer: 413 over a limit, 409 with the keys for dictionaries
+    this replica lacks (the client sends them), 400 for any other bad input."""
+    if isinstance(err, MissingDictionary):
+        return JSONResponse({"error": "MissingDictionary", "message": str(err), "keys": err.keys}, status_code=409)
     status = 413 if isinstance(err, LimitExceeded) else 400
     return _error(status, type(err).__name__, str(err))
 
 
-REFUSED = (InputError, AddressError, ValueError, TypeError, KeyError)
+REFUSED = (InputError, AddressError, ValueError, TypeError, KeyError, MissingDictionary)
 
 
 @app.exception_handler(Exception)
@@ -200,8 +203,6 @@ async def capture(body: CaptureRequest, request: Request) -> Response:
         captured = await owner.run(tokens, points, positions, edits, saes)
         data = http_wire.encode_capture(captured, points)
         owner.limits.check_response(len(data))
-    except MissingDictionary as err:
-        return JSONResponse({"error": "MissingDictionary", "message": str(err), "keys": err.keys}, status_code=409)
     except REFUSED as err:
         return _refusal(err)
     return Response(data, media_type=SAFETENSORS)
@@ -219,8 +220,6 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         generated = await owner.generate(tokens, points, options, positions, edits, saes)
         data = http_wire.encode_capture(generated, points)
         owner.limits.check_response(len(data))
-    except MissingDictionary as err:
-        return JSONResponse({"error": "MissingDictionary", "message": str(err), "keys": err.keys}, status_code=409)
     except REFUSED as err:
         return _refusal(err)
     return Response(data, media_type=SAFETENSORS)
@@ -301,7 +300,7 @@ def _parsed(owner, body: CaptureRequest):
 
 
 def _dictionaries(owner, body: CaptureRequest, size: int) -> tuple[list | None, dict[str, int]]:
-    """The request's dictionaries as ``[(key, data or None where the replica holds it)]``, and each
+    """The request's dictionaries as ``[(key, dictionary or None where the replica holds it)]``, and each
     attached site's feature count (for the response bound). A
     :class:`~interp_engine.errors.MissingDictionary` names the keys this replica lacks. ``size``:
     the body's bytes; what is not dictionaries' weights stays under ``max_request_bytes``."""

@@ -110,38 +110,31 @@ MISSING = "dictionaries"
 def dictionary_to_json(dictionary) -> str:
     """A :class:`~interp_engine.features.Dictionary` as the base64 of one safetensors file: its
     tensors in their own dtypes, its options and addresses in the header's metadata."""
-    from safetensors.torch import save
-
     from ..wire import dictionary_for_worker
 
     data = dictionary_for_worker(dictionary)
     metadata = {"format": DICTIONARY_FORMAT, "key": data["key"], "options": json.dumps(data["options"]),
                 "reads": data["reads"], "writes": data["writes"]}
-    return base64.b64encode(save(data["tensors"], metadata)).decode()
+    return base64.b64encode(encode_tensors(data["tensors"], metadata)).decode()
 
 
-def dictionary_from_json(text: str, key: str) -> dict:
-    """The replica form (:func:`interp_engine.wire.dictionary_for_replica`) of the dictionary
-    :func:`dictionary_to_json` wrote; a ``ValueError`` unless it is well formed and its content
-    is what ``key`` names."""
-    from safetensors.torch import load
-
-    from ..wire import dictionary_from_replica
+def dictionary_from_json(text: str, key: str):
+    """The :class:`~interp_engine.features.Dictionary` :func:`dictionary_to_json` wrote; a
+    ``ValueError`` unless it is well formed and its content is what ``key`` names."""
+    from ..wire import dictionary_from_worker
 
     try:
-        raw = base64.b64decode(text, validate=True)
-        metadata = _metadata(raw)
-        tensors = load(raw)
+        tensors, metadata = decode_tensors(base64.b64decode(text, validate=True))
     except Exception as err:  # noqa: BLE001 - any malformed upload is the client's error
         raise ValueError(f"dictionary {key!r} is not a base64 safetensors file: {type(err).__name__}: {err}") from None
     if metadata.get("format") != DICTIONARY_FORMAT:
         raise ValueError(f"dictionary {key!r} has format {metadata.get('format')!r}, not {DICTIONARY_FORMAT!r}")
-    data = {"key": key, "tensors": {n: Packed.of(t) for n, t in tensors.items()},
-            "options": json.loads(metadata["options"]), "reads": metadata["reads"], "writes": metadata["writes"]}
-    if dictionary_from_replica(data).key != key:
+    dictionary = dictionary_from_worker({"key": key, "tensors": tensors, "options": json.loads(metadata["options"]),
+                                         "reads": metadata["reads"], "writes": metadata["writes"]})
+    if dictionary.key != key:
         raise ValueError(f"the weights sent as dictionary {key!r} are another dictionary's (their content key "
                          f"differs): send each dictionary under its own key")
-    return data
+    return dictionary
 
 
 # -- capture responses as safetensors -----------------------------------------------------------

@@ -99,15 +99,9 @@ class CaptureReplica:
         return [key for key in keys if key not in held]
 
     def feature_widths(self, keys: list[str], given: dict) -> dict[str, int]:
-        """``{site: d_sae}`` of the dictionaries ``keys`` (held here, or ``given`` in replica form)."""
-        held = self.core.__dict__.get("_dictionaries", {})
-        out = {}
-        for key in keys:
-            if key in held:
-                out[str(held[key].reads)] = held[key].d_sae
-            else:
-                out[given[key]["reads"]] = given[key]["tensors"]["W_enc"].tensor().shape[-1]
-        return out
+        """``{site: d_sae}`` of the dictionaries ``keys`` (held here, or ``given`` by key)."""
+        held = {**self.core.__dict__.get("_dictionaries", {}), **given}
+        return {str(held[key].reads): held[key].d_sae for key in keys}
 
     async def write_shard(self, spec, index: int, texts: list[str]):
         return await self._in_thread(self.core.write_shard, spec, index, texts)

@@ -152,18 +152,11 @@ class RayTransport:
                      self.call("describe"))
 
     def dictionaries(self, plan) -> list:
-        """``[(key, object ref)]`` of a call's dictionaries (a checked ``FeaturePlan``), each put in
-        the object store once; a replica fetches and keeps each by key, as a cluster replica does."""
-        import ray
+        """``[(key, object ref)]`` of a call's dictionaries, each put in the object store once; a
+        replica fetches and keeps each by key, as a cluster replica does."""
+        from ..wire import put_dictionaries
 
-        from ..wire import dictionary_for_replica
-
-        held = self.__dict__.setdefault("_dictionaries", {})
-        for attached in plan.attached:
-            d = attached.dictionary
-            if d.key not in held:
-                held[d.key] = ray.put(dictionary_for_replica(d))
-        return [(a.dictionary.key, held[a.dictionary.key]) for a in plan.attached]
+        return put_dictionaries(plan, self.__dict__.setdefault("_dictionaries", {}))
 
     def run(self, tokens, points, positions=None, edits=None, saes=None):
         return self.call("run", tokens, points, positions, edits, saes)

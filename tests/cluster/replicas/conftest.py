@@ -5,8 +5,8 @@ once per module: a cluster with its replicas takes 10-15 s to start here, a vLLM
 again.
 
 The tests share the models, so none may change them for the others: each counts bytes or objects
-as a difference from before its own call, and one that kills or restarts a replica loads its own
-CPU-only model beside these (the workers keep half a CPU free for it)."""
+as a difference from before its own call, and one that kills or restarts a replica (or needs
+another family) loads its own CPU-only model beside these (the workers keep half a CPU free)."""
 
 from __future__ import annotations
 

@@ -116,8 +116,8 @@ class ReplicaCore:
         return generated
 
     def _saes(self, saes) -> list | None:
-        """The dictionaries ``[(key, plain data, an object ref or a Dictionary)]`` names, each fetched and
-        rebuilt once per replica and kept by key (None: one this replica holds already)."""
+        """The dictionaries ``saes`` names, ``[(key, plain data, an object ref or a Dictionary)]``,
+        each fetched and rebuilt once per replica and kept by key (None: one held already)."""
         if not saes:
             return None
         held = self.__dict__.setdefault("_dictionaries", {})

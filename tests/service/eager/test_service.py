@@ -231,7 +231,7 @@ def test_a_replica_killed_under_load_loses_no_request(service, eager_models):
     for i, (completion, cache) in enumerate(got):
         assert completion.token_ids == want[i % 6][0].token_ids
         assert_near(cache["resid_post.2"], want[i % 6][1]["resid_post.2"], f"request {i}")
-    deadline = time.monotonic() + 300  # a new replica starts a Ray worker and loads the model: slow when the machine is loaded
+    deadline = time.monotonic() + 300  # a new replica starts a worker and loads the model: slow under load
     while clients[0].status()["replicas"] != {"RUNNING": 2} and time.monotonic() < deadline:
         time.sleep(1)
     pids = {clients[0].transport.call("describe")["pid"] for _ in range(20)}

@@ -229,6 +229,7 @@ def _check(d: Dictionary) -> None:
         value = getattr(d, name)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             raise DictionaryError(f"{what}: {name} must be a floating-point tensor, got {type(value).__name__}")
+    _check_finite(d, what)
     if d.W_enc.dim() != 2 or d.W_dec.dim() != 2:
         raise DictionaryError(f"{what}: W_enc and W_dec must be matrices ([d_in, d_sae] and [d_sae, d_out]), got "
                               f"{list(d.W_enc.shape)} and {list(d.W_dec.shape)}")
@@ -246,6 +247,19 @@ def _check(d: Dictionary) -> None:
                               f"{None if d.threshold is None else list(d.threshold.shape)}")
     if d.activation == "topk" and (isinstance(d.k, bool) or not isinstance(d.k, int) or not 0 < d.k <= d_sae):
         raise DictionaryError(f"{what}: a topk dictionary needs an int k in 1..{d_sae}, got {d.k!r}")
+    if d.threshold is not None and d.activation != "jumprelu":
+        raise DictionaryError(f"{what}: it holds a threshold, which only a jumprelu dictionary uses, but its "
+                              f"activation is {d.activation!r}; pass activation='jumprelu', or leave the threshold out")
+    if d.k is not None and d.activation != "topk":
+        raise DictionaryError(f"{what}: k={d.k!r} applies to a topk dictionary only, but its activation is "
+                              f"{d.activation!r}; pass activation='topk', or leave k out")
+    for site, role in ((d.reads, "reads"), (d.writes, "writes")):
+        if site is not None and site.layer is not None and site.layer < 0:
+            raise DictionaryError(f"{what}: it {role} {site}, a layer counted from the end, but a dictionary "
+                                  f"sits at one numbered layer of the model it was trained on; name that layer "
+                                  f"(on an n-layer model, -1 is n - 1), e.g. load_dictionary(path, "
+                                  f"{role}='{site.name}.11') for the last layer of a 12-layer model (pass {role}= "
+                                  f"to override a hook such as 'blocks.-1.hook_{site.name}' in cfg.json)")
     if d.normalize not in NORMALIZATIONS:
         raise DictionaryError(f"{what}: unknown normalisation {d.normalize!r}; known: {', '.join(NORMALIZATIONS)}")
     if d.normalize == "scale" and not (isinstance(d.norm_scale, (int, float)) and math.isfinite(d.norm_scale)
@@ -267,3 +281,26 @@ def _check(d: Dictionary) -> None:
     if d.W_skip is not None and not transcoder:
         raise DictionaryError(f"{what}: a skip connection (W_skip) belongs to a transcoder; name the address it "
                               f"writes (writes=...)")
+
+
+#: the dictionary's tensors, each checked to hold only finite numbers
+_TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")
+
+
+def _check_finite(d: Dictionary, what: str) -> None:
+    """Every weight finite: one NaN in ``W_enc`` makes the features of every token NaN (and an
+    edit of them NaN logits); a NaN threshold silently switches every feature off."""
+    for name in _TENSORS:
+        value = getattr(d, name)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.device.type == "meta":
+            continue
+        bad = ~torch.isfinite(value)
+        if bool(bad.any()):
+            count = int(bad.sum())
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise DictionaryError(
+                f"{what}: {name} ({str(value.dtype).removeprefix('torch.')}) holds {count} non-finite value"
+                f"{'s' if count > 1 else ''} (NaN or inf) of {value.numel()}, the first {value[tuple(first)].item()} "
+                f"at index {first}; a NaN or inf weight makes the features and every edit through them NaN. "
+                f"Load a checkpoint whose weights are finite (or, for a dtype= conversion, one whose values fit "
+                f"that dtype)")

@@ -21,6 +21,7 @@ a :class:`~.dictionary.Dictionary`. The formats:
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -80,8 +81,7 @@ def load_dictionary(source, *, reads=None, writes=None, activation: str | None =
                              name=name, dtype=dtype, device=device)
     npz = path / _NPZ if path.is_dir() else path
     if npz.is_file() and npz.suffix == ".npz":
-        with np.load(npz) as data:
-            tensors = {_npz_key(key): torch.from_numpy(np.asarray(data[key])) for key in data.files}
+        tensors = _read_npz(npz)
         return _from_tensors(tensors, reads=reads, writes=writes, activation=activation or "jumprelu", k=k,
                              norm_scaling_factor=norm_scaling_factor,
                              apply_b_dec_to_input=bool(apply_b_dec_to_input), name=name or path.name,
@@ -91,6 +91,38 @@ def load_dictionary(source, *, reads=None, writes=None, activation: str | None =
                               f"{_WEIGHTS}), a Gemma Scope params.npz or a dict of tensors")
     raise DictionaryError(f"{path} is neither a SAELens folder (it holds no {_CFG}) nor a .npz file (Gemma Scope's "
                           f"{_NPZ}); pass one of those or a dict of tensors")
+
+
+def _read_npz(path: Path) -> dict[str, torch.Tensor]:
+    """The arrays of an ``.npz`` file (a zip of ``.npy`` arrays, as ``numpy.savez`` writes it),
+    never unpickling anything: a file that is not such an archive, or that holds Python objects
+    rather than numbers, is a :class:`DictionaryError` saying so."""
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            head = f.read(8)
+        raise DictionaryError(f"{path} is not an npz archive (the zip of .npy arrays numpy.savez writes; it starts "
+                              f"with {head!r}); pass the params.npz of a Gemma Scope release, a SAELens folder, "
+                              f"or a dict of tensors")
+    tensors = {}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            for key in data.files:
+                array = np.asarray(data[key])
+                if array.dtype.kind not in "fiu":
+                    raise DictionaryError(f"{path}: array {key!r} holds {array.dtype} values, not numbers; a "
+                                          f"dictionary's weights are float arrays")
+                tensors[_npz_key(key)] = torch.from_numpy(array)
+    except DictionaryError:
+        raise
+    except ValueError as err:  # numpy refuses an object array (it would need unpickling): say what it is
+        if "pickle" not in str(err):
+            raise DictionaryError(f"{path} is a damaged npz archive ({err})") from None
+        raise DictionaryError(f"{path}: an array in it holds Python objects, not numbers; a dictionary's weights "
+                              f"are float arrays (write them with numpy.savez of numeric arrays)") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise DictionaryError(f"{path} is a damaged npz archive ({type(err).__name__}: {err}); it is truncated or "
+                              f"not what numpy.savez wrote") from None
+    return tensors
 
 
 def _npz_key(key: str) -> str:
@@ -123,9 +155,10 @@ def _from_saelens(path: Path, *, reads, writes, k, norm_scaling_factor, name, dt
     v6 = version[:1].isdigit() and int(version.split(".")[0]) >= 6
     get = (lambda key, default=None: meta.get(key, cfg.get(key, default))) if v6 else (
         lambda key, default=None: cfg.get(key, default))
-    architecture = cfg.get("architecture", "standard")
+    tensors = _read_safetensors(path / _WEIGHTS)
     act_fn = cfg.get("activation_fn_str", cfg.get("activation_fn", "relu"))
     kwargs = cfg.get("activation_fn_kwargs") or {}
+    architecture = cfg.get("architecture", _architecture_of(tensors, act_fn))
     if not v6 and architecture == "standard" and act_fn == "topk":
         architecture = "topk"
     if architecture not in ARCHITECTURES:
@@ -145,13 +178,16 @@ def _from_saelens(path: Path, *, reads, writes, k, norm_scaling_factor, name, dt
     if transcoder and hook_out is None:
         raise DictionaryError(f"{path}: a {architecture} predicts another address, but its config names no "
                               f"hook_name_out; pass writes='mlp_out.L' (the address it predicts)")
-    tensors = _read_safetensors(path / _WEIGHTS)
     options = {"activation": activation, "k": None, "norm_scaling_factor": norm_scaling_factor}
     if activation == "topk":
         options["k"] = k if k is not None else cfg.get("k", kwargs.get("k"))
+    elif k is not None:
+        raise DictionaryError(f"{path}: k={k!r} applies to a topk dictionary, but this one is {architecture!r} "
+                              f"(cfg.json); leave k out")
     if architecture == "batchtopk":
         options.update(_batchtopk_threshold(path, tensors))
     _fold_scaling_factor(path, cfg, tensors)
+    _check_against_cfg(path, cfg, tensors, architecture, activation, skip)
     normalize = cfg.get("normalize_activations", "none")
     if normalize not in _NORMALIZE:
         raise DictionaryError(f"{path}: normalize_activations={normalize!r} is not supported; supported: none, "
@@ -162,6 +198,36 @@ def _from_saelens(path: Path, *, reads, writes, k, norm_scaling_factor, name, dt
         rescale_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
         name=name or path.name, dtype=dtype if dtype is not None else _dtype(cfg.get("dtype")), device=device,
         where=str(path), skip=skip, **options)
+
+
+def _architecture_of(tensors: dict, act_fn) -> str:
+    """The architecture of a config that names none: JumpReLU where the weights hold a threshold
+    (a ReLU would silently drop it), otherwise SAELens's default, standard."""
+    return "jumprelu" if act_fn == "relu" and ("threshold" in tensors or "log_threshold" in tensors) else "standard"
+
+
+def _check_against_cfg(path: Path, cfg: dict, tensors: dict, architecture: str, activation: str, skip: bool) -> None:
+    """The config and the weights must describe the same dictionary (SAELens refuses a folder
+    where they do not): every tensor is one the architecture uses, and the widths the config
+    gives are the weights' own."""
+    expected = {"W_enc", "b_enc", "W_dec", "b_dec"} | ({"threshold", "log_threshold"} if activation == "jumprelu"
+                                                       else set()) | ({"W_skip"} if skip else set())
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        hint = (f"; a threshold belongs to a JumpReLU dictionary: if it is one, set \"architecture\": \"jumprelu\" "
+                f"in {_CFG}" if {"threshold", "log_threshold"} & set(extra) else "")
+        raise DictionaryError(f"{path}: the weights hold {extra}, which a {architecture!r} dictionary (as {_CFG} "
+                              f"says) does not use{hint}; the config and {_WEIGHTS} disagree")
+    w_enc, w_dec = tensors.get("W_enc"), tensors.get("W_dec")
+    if not isinstance(w_enc, torch.Tensor) or not isinstance(w_dec, torch.Tensor) or w_enc.dim() != 2 or w_dec.dim() != 2:
+        return  # the Dictionary's own check says what is wrong with them
+    for key, actual, what in (("d_in", w_enc.shape[0], "W_enc's rows"), ("d_sae", w_enc.shape[1], "W_enc's columns"),
+                              ("d_out", w_dec.shape[1], "W_dec's columns")):
+        given = cfg.get(key)
+        if given is not None and (isinstance(given, bool) or given != actual):
+            raise DictionaryError(f"{path}: {_CFG} says {key}={given!r}, but the weights have {actual} ({what}: "
+                                  f"W_enc {list(w_enc.shape)}, W_dec {list(w_dec.shape)}); the config and "
+                                  f"{_WEIGHTS} disagree: fix {key} in {_CFG} or use the weights it was written for")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -179,9 +245,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _batchtopk_threshold(path: Path, tensors: dict) -> dict:
     """A BatchTopK training checkpoint runs as JumpReLU at its learnt threshold (what SAELens
     saves for inference): a per-token rule, so a token's features never depend on its batch."""
+    learnt = tensors.pop("topk_threshold", None)
     if "threshold" in tensors:
         return {}
-    learnt = tensors.pop("topk_threshold", None)
     if learnt is None:
         raise DictionaryError(f"{path}: a batchtopk checkpoint needs its learnt 'topk_threshold' (or a "
                               f"'threshold'); BatchTopK itself depends on the whole batch, which a per-request "
@@ -252,7 +318,7 @@ def _from_tensors(tensors: dict, *, reads, writes=None, activation=None, k=None,
 
     return Dictionary(
         W_enc=put("W_enc"), b_enc=put("b_enc"), W_dec=put("W_dec"), b_dec=put("b_dec"), reads=reads_at,
-        writes=writes_at, activation=activation, threshold=put("threshold") if activation == "jumprelu" else None,
+        writes=writes_at, activation=activation, threshold=put("threshold"),
         k=int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else k,
         apply_b_dec_to_input=bool(apply_b_dec_to_input), normalize=normalize,
         norm_scale=None if norm_scaling_factor is None else float(norm_scaling_factor),

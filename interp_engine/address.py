@@ -13,12 +13,12 @@ is checked by :func:`interp_engine.points.check_points` against the model's
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Union
 
 from .sites import SITES as SITES
 from .sites import Site as Site
 from .errors import AddressError, shown
+from .scalars import integer
 from .tl_names import from_tl_name, is_tl_name
 
 
@@ -37,8 +37,10 @@ class Address:
         site = SITES[self.name]
         for field in ("layer", "stream"):
             value = getattr(self, field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise AddressError(f"{field} of {self.name!r} must be an int, got {shown(value)}")
+            if value is not None:
+                if integer(value) is None:
+                    raise AddressError(f"{field} of {self.name!r} must be an int, got {shown(value)}")
+                object.__setattr__(self, field, integer(value))
         if site.per_layer and self.layer is None:
             raise AddressError(f"{self.name!r} needs a layer, e.g. Address({self.name!r}, 0)")
         if not site.per_layer and self.layer is not None:
@@ -86,17 +88,17 @@ class FeatureAddress:
         if self.kind not in FEATURE_KINDS:
             raise AddressError(f"unknown feature point {self.kind!r}; known: {', '.join(FEATURE_KINDS)}")
         if self.ids is not None:
-            ids = [self.ids] if isinstance(self.ids, int) and not isinstance(self.ids, bool) else self.ids
+            ids = [self.ids] if integer(self.ids) is not None else self.ids
             if self.kind != "features":
                 raise AddressError(f"{self.kind!r} takes no feature ids; only 'features[...]' selects some")
             try:
                 ids = list(ids)
             except TypeError:
                 ids = [ids]
-            bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0]
+            bad = [i for i in ids if integer(i) is None or integer(i) < 0]
             if not ids or bad:
                 raise AddressError(f"feature ids must be a non-empty list of non-negative ints, got {self.ids!r}")
-            object.__setattr__(self, "ids", tuple(sorted({int(i) for i in ids})))
+            object.__setattr__(self, "ids", tuple(sorted({integer(i) for i in ids})))
 
     def __str__(self) -> str:
         return format_address(self)

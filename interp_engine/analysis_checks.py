@@ -15,13 +15,13 @@ token ids are refused (they would read the vocabulary from its end without a wor
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 
 from .address import format_address
 from .cache import Cache
 from .errors import AnalysisError, MissingActivations, shown
+from .scalars import integer
 
 
 def layer_count(cache: Cache, model=None) -> tuple[int, str]:
@@ -45,8 +45,9 @@ def check_layer(call: str, layer, n: int, meaning: str, known: str = "") -> int:
     """``layer`` as an int in ``0..n`` (``meaning`` says what ``n`` is; a negative layer counts
     from ``n``: ``-1`` is ``n``), or an error naming the range."""
     valid = f"0..{n} ({n} = {meaning}; -1 = {n}, -{n + 1} = 0)"
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+    if integer(layer) is None:
         raise AnalysisError(f"{call}: layer must be an int in {valid}, got {shown(layer)} ({type(layer).__name__})")
+    layer = integer(layer)
     if not -(n + 1) <= layer <= n:
         raise AnalysisError(f"{call}: layer={layer} is out of range: layers are {valid}"
                             f"{'; ' + known if known else ''}")
@@ -61,9 +62,7 @@ def layer_list(call: str, layers, n: int, meaning: str, known: str = "") -> tupl
         raise AnalysisError(f"{call}: layers takes layer numbers, got the string {layers!r:.60}; pass an int "
                             f"(layers=-1), a list (layers=[0, 5, -1]) or None for every layer held "
                             f"(cache[{layers!r:.40}] is the tensor of one address)")
-    if isinstance(layers, torch.Tensor) and layers.dim() == 0:
-        layers = layers.item()
-    if isinstance(layers, numbers.Integral) and not isinstance(layers, bool):
+    if integer(layers) is not None:
         return [check_layer(call, layers, n, meaning, known)], True
     if isinstance(layers, bool) or not hasattr(layers, "__iter__"):
         raise AnalysisError(f"{call}: layers must be an int or a list of ints (e.g. layers=[0, -1]), or None "

@@ -9,11 +9,12 @@ an edit against a model.
 from __future__ import annotations
 
 import math
-import numbers
 
+import numpy as np
 import torch
 
 from .errors import InputError, shown
+from .scalars import real
 
 #: the largest float32; an edit's numbers must fit
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -23,13 +24,12 @@ _WHY_FINITE = ("a NaN or inf spreads through every later position and layer of t
 
 
 def number(address, name, value) -> float:
-    """A finite real number (numpy scalars such as ``np.float32(0.5)`` count) as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InputError(f"edit on {address}: {name} must be a number, got {shown(value)}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
+    """A finite real number (numpy scalars such as ``np.float32(0.5)`` and 0-d tensors such as
+    ``torch.tensor(2.0)`` count: :func:`~interp_engine.scalars.real`) as a float."""
+    number = real(value)
+    if number is None:
+        raise InputError(f"edit on {address}: {name} must be a number (a float, a numpy scalar or a 0-d tensor), "
+                         f"got {shown(value)}")
     if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
         text = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
         raise InputError(f"edit on {address}: {name} must be a finite number within float32 (|x| <= 3.4e38), "
@@ -39,7 +39,7 @@ def number(address, name, value) -> float:
 
 def tensor(address, name, value) -> torch.Tensor:
     """``value`` as a finite, real float32 tensor on the CPU (refused otherwise, with the fix)."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if not isinstance(value, (torch.Tensor, np.ndarray)) and real(value) is not None:
         value = number(address, name, value)
     try:
         tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import numbers
 from typing import Any
 
 from .errors import InputError, shown
+from .scalars import integer, real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +79,14 @@ class Sampling:
 
 
 def _integer(value, name: str, valid: str, *, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high and value > high):
+    number = integer(value)
+    if number is None or number < low or (high and number > high):
         raise InputError(f"{name} must be {valid}, got {shown(value)}")
-    return int(value)
+    return number
 
 
 def _real(value, name: str, valid: str, *, ok) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+    number = real(value)
+    if number is None or not math.isfinite(number) or not ok(number):
         raise InputError(f"{name} must be {valid}, got {shown(value)}")
-    return float(value)
+    return number

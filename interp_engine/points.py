@@ -10,12 +10,12 @@ into checked addresses, once, at the boundary; everything after it holds real la
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable
 
 from .address import Address, FeatureAddress, format_address, parse_address, to_address
 from .capabilities import Capabilities
 from .errors import AddressError, shown
+from .scalars import integer
 from .sites import SITES, Site
 
 
@@ -227,7 +227,7 @@ def _one_tuple(points) -> bool:
     ``to_address`` reads, so ``points=("resid_post", 1)`` is that one point, as ``"resid_post.1"``
     is (not the site ``resid_post`` and a point ``1``)."""
     return (isinstance(points, tuple) and 2 <= len(points) <= 3 and isinstance(points[0], str)
-            and all(isinstance(x, numbers.Integral) for x in points[1:]))
+            and all(integer(x) is not None for x in points[1:]))
 
 
 def check_points(points, info: ModelInfo, caps: Capabilities) -> list[Address]:

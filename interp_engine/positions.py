@@ -20,12 +20,12 @@ fewer columns than the widest one; those hold zeros, and ``cache.mask`` is False
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import numpy as np
 import torch
 
 from .errors import InputError, shown
+from .scalars import integer
 
 _WORDS = ("prompt", "generated")
 _FORMS = ("None (all), an int or a list of ints (negative from the end of the prompt: -1 = last prompt token), "
@@ -51,10 +51,8 @@ class Selection:
 
 def as_int(value) -> int | None:
     """``value`` as a Python int when it is an integer (numpy integers such as ``np.int64(3)``
-    count; bools do not), else None."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
+    and 0-d integer tensors count; bools do not: :func:`~interp_engine.scalars.integer`), else None."""
+    return integer(value)
 
 
 def check_spec(positions):

@@ -14,6 +14,7 @@ import torch
 from .address import Address
 from .cache import Cache
 from .errors import RoutingError, shown
+from .scalars import integer
 
 
 def expert_assignment(
@@ -44,8 +45,9 @@ def expert_assignment(
     """
     names = ("expert_weights", "expert_indices", "router_logits")
     weights_at, indices_at, logits_at = (Address(n, layer) for n in names)
-    if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts <= 0:
+    if integer(n_experts) is None or integer(n_experts) <= 0:
         raise RoutingError(f"n_experts must be a positive int (the model's expert count), got {shown(n_experts)}")
+    n_experts = integer(n_experts)
     if weights_at in cache and indices_at in cache:
         indices, weights = cache[indices_at], cache[weights_at]
         if logits_at in cache:

@@ -34,7 +34,7 @@ from .address import Address, FeatureAddress, format_address, parse_address
 from .dtypes import as_bfloat16, bf16_bits, dtype_name
 from .edit_rows import one_row
 from .edits import EDITS, Add, Edit, Planned, Scale, Set, Zero
-from .errors import InputError, InternalError, RemoteError
+from .errors import InputError, InternalError, RemoteError, shown
 
 # -- tensors ------------------------------------------------------------------------------------
 
@@ -160,18 +160,28 @@ def edit_from_worker(data: dict) -> Edit:
         if key in data and not isinstance(data[key], torch.Tensor):
             raise InternalError(f"[Internal] an edit's {key} reached the worker as {type(data[key]).__name__}, "
                                 f"not a tensor: edits travel as tensors (wire.edit_for_worker)")
+    kind = data.get("kind")
+    if kind not in _EDIT_FIELDS:
+        raise InputError(f"an edit's kind must be one of {', '.join(map(repr, _EDIT_FIELDS))}, got {shown(kind)}")
+    needed = _EDIT_FIELDS[kind]
+    if needed and data.get(needed[0]) is None:
+        raise InputError(f"{kind!r} edit without {needed[0]!r}: it needs {needed[1]}")
     heads = tuple(data["heads"]) if data.get("heads") else None
-    kind = data["kind"]
     if kind == "add":
-        vector = data["vector"].to(torch.float32).reshape(data["shape"])
-        return Add(vector, data["scale"], norm_relative=data["norm_relative"], heads=heads)
+        vector = data["vector"].to(torch.float32).reshape(data.get("shape", data["vector"].shape))
+        return Add(vector, data.get("scale", 1.0), norm_relative=data.get("norm_relative", False), heads=heads)
     if kind == "scale":
         return Scale(data["factor"], heads=heads)
     if kind == "set":
-        return Set(data["value"].to(torch.float32).reshape(data["shape"]), heads=heads)
-    if kind == "zero":
-        return Zero(heads=heads)
-    raise InternalError(f"[Internal] unknown edit kind {kind!r} on the wire")
+        return Set(data["value"].to(torch.float32).reshape(data.get("shape", data["value"].shape)), heads=heads)
+    return Zero(heads=heads)
+
+
+#: the field each edit kind cannot go without on the wire, and what it is (for the error naming it)
+_EDIT_FIELDS = {"add": ("vector", "the vector it adds to each edited position, as Add(vector, scale=1.0)"),
+                "scale": ("factor", "the number it multiplies by, as Scale(factor)"),
+                "set": ("value", "the value it writes in place of each edited position, as Set(value)"),
+                "zero": ()}
 
 
 @dataclasses.dataclass(frozen=True)

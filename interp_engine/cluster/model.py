@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..cache import Cache
 from ..errors import ClusterError, InputError, ShardFailed, user_error
+from ..scalars import integer
 from ..dtypes import dtype_name
 from ..wire import edits_for_replica, put_dictionaries, unpack_dict
 from ..capabilities import backend_class
@@ -45,11 +46,12 @@ def load_cluster_model(name_or_path: str, *, backend: str = "eager", replicas: i
     bundle, on another node if its node is gone); a restarted replica gets work again.
     Other keyword arguments go to the backend, as in a local ``load_model``.
     """
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+    if integer(replicas) is None or integer(replicas) < 1:
         raise InputError(f"replicas must be a positive int (the number of model copies), got {replicas!r}; "
                          f"use replicas=1 for one copy, or leave it out to load the model in this process")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+    if integer(max_restarts) is None or integer(max_restarts) < -1:
         raise InputError(f"max_restarts must be an int >= 0 (or -1: without limit), got {max_restarts!r}")
+    replicas, max_restarts = integer(replicas), integer(max_restarts)
     if requires_grad:
         raise InputError("requires_grad=True needs the model in this process: gradients do not cross Ray "
                          "processes. Load it without replicas=: load_model(name, backend='eager', requires_grad=True)")

@@ -34,6 +34,7 @@ from ..positions import check_prompt, check_spec, resolve_row, width_bound
 from ..wire import spec_to_json
 from ..protocol import WritesShards
 from ..errors import InputError, InternalError
+from ..scalars import integer
 from ..features.plan import describe, check_saes
 
 _SAVE_EVERY_S = 1.0  # how often the manifest's shard records are saved while building
@@ -87,16 +88,17 @@ def build_dataset(
     started = time.perf_counter()
     if layout not in LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; use 'sequence' (a row per prompt) or 'token' (a row per position)")
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+    if integer(shard_size) is None or integer(shard_size) < 1:
         raise InputError(f"shard_size must be a positive int, got {shard_size!r}")
     if not isinstance(shuffle, bool):
         raise InputError(f"shuffle must be True or False, got {shuffle!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if integer(seed) is None or integer(seed) < 0:
         raise InputError(f"seed must be an int >= 0, got {seed!r}")
-    if isinstance(writers, bool) or not isinstance(writers, int) or not 1 <= writers <= MAX_WRITERS:
+    if integer(writers) is None or not 1 <= integer(writers) <= MAX_WRITERS:
         raise InputError(f"writers must be an int from 1 to {MAX_WRITERS} (shards written at once), got {writers!r}")
-    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+    if integer(batch_tokens) is None or integer(batch_tokens) < 1:
         raise InputError(f"batch_tokens must be a positive int (padded tokens per forward), got {batch_tokens!r}")
+    shard_size, seed, writers, batch_tokens = map(integer, (shard_size, seed, writers, batch_tokens))
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     stored = dtype or (model.dtype if model.dtype in DTYPES else "float32")

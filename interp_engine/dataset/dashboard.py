@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import DatasetExistsError, InputError
+from ..scalars import integer
 from ..features.plan import as_dictionaries, check_saes, describe
 from ..features.tally import merge_contexts, merge_stats, tally
 
@@ -88,11 +89,13 @@ def feature_dashboard(model, prompts, saes, output, *, top_k: int = 20, samples:
     points = [f"{d.reads}.features" for d in dictionaries]
     check_saes(model, model.check_points(points), dictionaries)
     for name, value in (("top_k", top_k), ("samples", samples), ("shard_size", shard_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "samples" else 1):
+        if integer(value) is None or integer(value) < (0 if name == "samples" else 1):
             raise InputError(f"{name} must be a positive int, got {value!r}")
+    top_k, samples, shard_size = integer(top_k), integer(samples), integer(shard_size)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)):
+            or not all(integer(w) is not None and integer(w) >= 0 for w in window)):
         raise InputError(f"window must be (tokens before, tokens after), two ints >= 0, got {window!r}")
+    window = tuple(integer(w) for w in window)
     source = PromptSource.of(prompts, text_key)
     scan = source.scan(model.tok.encode, model.info.n_ctx, shard_size)
     n_shards = -(-scan.count // shard_size)

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from ..address import parse_address
 from .columns import to_numpy
 from ..errors import InputError
+from ..scalars import integer
 from ..tl_names import TL_HOOKS, tl_name
 
 def tl_hook_name(point: str) -> str:
@@ -43,8 +44,9 @@ def export_saelens(dataset, out_dir, point: str, context_size: int, *, dtype: st
     hook = tl_hook_name(point)
     if point not in dataset.manifest["identity"]["points"]:
         raise InputError(f"point {point!r} is not in this dataset; it holds {', '.join(dataset.manifest['identity']['points'])}")
-    if isinstance(context_size, bool) or not isinstance(context_size, int) or context_size < 1:
+    if integer(context_size) is None or integer(context_size) < 1:
         raise InputError(f"context_size must be a positive int, got {context_size!r}")
+    context_size = integer(context_size)
     if dtype not in ("float32", "float16"):
         raise InputError(f"dtype must be 'float32' or 'float16' (what Arrow and SAELens hold), got {dtype!r}")
     out = Path(out_dir)

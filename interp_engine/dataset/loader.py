@@ -25,6 +25,7 @@ import torch
 from .columns import DTYPE_KEY, DTYPES, to_numpy
 from ..dtypes import as_bfloat16
 from ..errors import InputError
+from ..scalars import integer
 
 _READ_ROWS = 1024  # rows per record batch read from a shard
 
@@ -36,8 +37,9 @@ class ShardLoader(torch.utils.data.IterableDataset):
         points = dataset.manifest["identity"]["points"]
         if point not in points:
             raise InputError(f"point {point!r} is not in this dataset; it holds {', '.join(points)}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if integer(batch_size) is None or integer(batch_size) < 1:
             raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = integer(batch_size)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             if dtype not in DTYPES:
                 raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} or a torch dtype")

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .columns import to_numpy
+from ..scalars import real
 
 
 def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
@@ -29,10 +30,11 @@ def to_ray(dataset, *, num_cpus: float = 0, wait_s: float = 30.0):
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
-    if not isinstance(num_cpus, (int, float)) or isinstance(num_cpus, bool) or num_cpus < 0:
+    if real(num_cpus) is None or not real(num_cpus) >= 0 or real(num_cpus) == float("inf"):
         from ..errors import InputError
 
         raise InputError(f"num_cpus must be a number >= 0 (CPUs reserved per read task), got {num_cpus!r}")
+    num_cpus = real(num_cpus)
     if not ray.is_initialized():
         from ..loopback import connect
 

@@ -34,6 +34,7 @@ import torch
 
 from ..address import Address
 from ..errors import DictionaryError
+from ..scalars import integer, real
 
 #: the activation functions a dictionary may use
 ACTIVATIONS = ("relu", "jumprelu", "topk")
@@ -77,6 +78,10 @@ class Dictionary:
     name: str = ""
 
     def __post_init__(self):
+        for option, read in (("k", integer), ("norm_scale", real)):  # numpy scalars and 0-d tensors count
+            value = getattr(self, option)
+            if value is not None and read(value) is not None:
+                object.__setattr__(self, option, read(value))
         _check(self)
         if self.writes is None:
             object.__setattr__(self, "writes", self.reads)
@@ -262,7 +267,7 @@ def _check(d: Dictionary) -> None:
                                   f"to override a hook such as 'blocks.-1.hook_{site.name}' in cfg.json)")
     if d.normalize not in NORMALIZATIONS:
         raise DictionaryError(f"{what}: unknown normalisation {d.normalize!r}; known: {', '.join(NORMALIZATIONS)}")
-    if d.normalize == "scale" and not (isinstance(d.norm_scale, (int, float)) and math.isfinite(d.norm_scale)
+    if d.normalize == "scale" and not (isinstance(d.norm_scale, float) and math.isfinite(d.norm_scale)
                                        and d.norm_scale > 0):
         raise DictionaryError(f"{what}: normalize='scale' needs a finite positive norm_scale, got {d.norm_scale!r}")
     transcoder = d.writes is not None and d.writes != d.reads

@@ -319,9 +319,7 @@ def _from_tensors(tensors: dict, *, reads, writes=None, activation=None, k=None,
     return Dictionary(
         W_enc=put("W_enc"), b_enc=put("b_enc"), W_dec=put("W_dec"), b_dec=put("b_dec"), reads=reads_at,
         writes=writes_at, activation=activation, threshold=put("threshold"),
-        k=int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else k,
-        apply_b_dec_to_input=bool(apply_b_dec_to_input), normalize=normalize,
-        norm_scale=None if norm_scaling_factor is None else float(norm_scaling_factor),
+        k=k, apply_b_dec_to_input=bool(apply_b_dec_to_input), normalize=normalize, norm_scale=norm_scaling_factor,
         rescale_by_decoder_norm=rescale_by_decoder_norm, W_skip=put("W_skip"), name=name or "")
 
 

@@ -56,7 +56,11 @@ class Normalized:
 class Dictionary:
     """An SAE or a transcoder: its weights (``W_enc [d_in, d_sae]``, ``b_enc [d_sae]``,
     ``W_dec [d_sae, d_out]``, ``b_dec [d_out]``), where it reads and writes, and the options that
-    change its maths (see the module docstring). Build one with :func:`load_dictionary`."""
+    change its maths (see the module docstring). Build one with :func:`load_dictionary`.
+
+    Every way one is made (a file, a dict of tensors, an upload to a service, a worker's copy)
+    goes through the same check: shapes that fit, options that exist and apply, every weight
+    finite, and the layers it sits at named by number."""
 
     W_enc: torch.Tensor
     b_enc: torch.Tensor

@@ -11,9 +11,14 @@ a :class:`~.dictionary.Dictionary`. The formats:
   before decoding). Architectures: ``standard``, ``jumprelu``, ``topk``, ``batchtopk`` (a
   training checkpoint: run, as SAELens saves it for inference, as JumpReLU at its learnt
   threshold), ``transcoder``, ``skip_transcoder``, ``jumprelu_transcoder``,
-  ``jumprelu_skip_transcoder``.
+  ``jumprelu_skip_transcoder``. A config that names no ``architecture`` is ``standard``, or
+  ``jumprelu`` where the weights hold a ``threshold`` (never a ReLU that drops it). The config
+  and the weights must agree, as SAELens itself requires: a tensor the architecture does not use
+  (a threshold beside ``standard`` or ``topk``), or a ``d_in`` / ``d_sae`` / ``d_out`` that is not
+  the weights' own, is a :class:`~interp_engine.errors.DictionaryError`.
 - **Gemma Scope** (``params.npz``, or a folder holding one): JumpReLU, no ``b_dec`` on the input;
   the file does not say where it reads, so pass ``reads=`` (and ``writes=`` for a transcoder).
+  It is read as numeric arrays only: nothing in it is ever unpickled.
 - **A plain dict** of tensors ``W_enc``, ``b_enc``, ``W_dec``, ``b_dec`` (and ``threshold`` for
   JumpReLU, ``W_skip`` for a skip transcoder) with ``reads=`` and the options as arguments.
 """

@@ -10,6 +10,7 @@ into checked addresses, once, at the boundary; everything after it holds real la
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable
 
 from .address import Address, FeatureAddress, format_address, parse_address, to_address
@@ -227,7 +228,7 @@ def _one_tuple(points) -> bool:
     ``to_address`` reads, so ``points=("resid_post", 1)`` is that one point, as ``"resid_post.1"``
     is (not the site ``resid_post`` and a point ``1``)."""
     return (isinstance(points, tuple) and 2 <= len(points) <= 3 and isinstance(points[0], str)
-            and all(integer(x) is not None for x in points[1:]))
+            and all(isinstance(x, numbers.Integral) or integer(x) is not None for x in points[1:]))
 
 
 def check_points(points, info: ModelInfo, caps: Capabilities) -> list[Address]:

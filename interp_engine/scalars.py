@@ -38,7 +38,7 @@ def real(value) -> float | None:
     try:
         return float(value)
     except OverflowError:
-        return math.copysign(math.inf, value)
+        return math.inf if value > 0 else -math.inf
 
 
 def integer(value) -> int | None:

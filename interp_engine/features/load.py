@@ -224,7 +224,7 @@ def _check_against_cfg(path: Path, cfg: dict, tensors: dict, architecture: str, 
         raise DictionaryError(f"{path}: the weights hold {extra}, which a {architecture!r} dictionary (as {_CFG} "
                               f"says) does not use{hint}; the config and {_WEIGHTS} disagree")
     w_enc, w_dec = tensors.get("W_enc"), tensors.get("W_dec")
-    if not isinstance(w_enc, torch.Tensor) or not isinstance(w_dec, torch.Tensor) or w_enc.dim() != 2 or w_dec.dim() != 2:
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in (w_enc, w_dec)):
         return  # the Dictionary's own check says what is wrong with them
     for key, actual, what in (("d_in", w_enc.shape[0], "W_enc's rows"), ("d_sae", w_enc.shape[1], "W_enc's columns"),
                               ("d_out", w_dec.shape[1], "W_dec's columns")):

@@ -82,5 +82,8 @@ from .errors import ShardFailed as ShardFailed
 from .errors import StorageError as StorageError
 from .errors import UnsupportedModel as UnsupportedModel
 from .errors import UnsupportedVllmVersion as UnsupportedVllmVersion
+from .errors import ServiceChanged as ServiceChanged
+from .errors import TokenOriginError as TokenOriginError
+from .errors import UnsafeServiceAnswer as UnsafeServiceAnswer
 
 from .version import VERSION as __version__

@@ -202,3 +202,22 @@ def shown(value) -> str:
 
 def _cut(text: str) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 12]}... ({len(text)} chars)"
+
+
+# --- the service's client against a hostile or changed peer (issue 35) -------------------------
+
+
+class UnsafeServiceAnswer(ServiceError):
+    """A service (or whatever answers at its URL) asked this client for something a client never
+    lets a peer choose: a file path outside its own folder, an unbounded allocation. The message
+    names the entry; the connection is refused and nothing was written."""
+
+
+class TokenOriginError(ServiceAuthError):
+    """The token stored on this machine for a service belongs to another URL (scheme, host, port,
+    path): it is never sent anywhere else. Pass ``token=`` to send a token to this URL."""
+
+
+class ServiceChanged(ServiceError):
+    """The service a client connected to was redeployed under it (another deploy id, model, backend
+    or weights): its answers would be another model's. Connect again."""

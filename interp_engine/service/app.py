@@ -6,6 +6,7 @@ bound ``CaptureReplica`` deployment, for ``serve(...)`` and for ``serve deploy``
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 from ..errors import InputError
 from .limits import Limits
@@ -45,7 +46,7 @@ def application(model: str, name: str, url: str, token_sha256: str, *, backend: 
         actor["runtime_env"] = {"env_vars": {k: str(v) for k, v in env_vars.items()}}
     count = scaling.get("num_replicas") or scaling["autoscaling_config"]["min_replicas"]
     facts = {"name": name, "url": url, "model": str(model), "backend": backend, "replicas": count,
-             "limits": dataclasses.asdict(limits)}
+             "limits": dataclasses.asdict(limits), "deploy_id": secrets.token_hex(8)}
     deployment = ray_serve.deployment(
         CaptureReplica, name=DEPLOYMENT, ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,
@@ -77,7 +78,7 @@ def build(args: dict):
     url = f"http://{config.host}:{config.port}/{name}"
     token = new_token()
     bound, _ = application(model, name, url, token_sha256(token), scaling=scaling, limits=limits, **args)
-    write_token(name, token)
+    write_token(name, token, url)
     return bound
 
 

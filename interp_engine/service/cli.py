@@ -1,13 +1,14 @@
 """``interp-engine``: the service from a shell.
 
-    interp-engine serve MODEL --name NAME [--backend vllm] [--replicas 2] [--option max_model_len=512 ...]
+    interp-engine serve MODEL --name NAME [--backend vllm] [--replicas 2] [--option max_model_len=512 ...] [--replace]
     interp-engine status [NAME]
     interp-engine shutdown NAME
 
 Each joins the cluster in ``RAY_ADDRESS``. Without one, ``serve`` starts the library's own loopback
 Ray in its process and keeps running (Ctrl-C shuts the service and that Ray down), printing the
 environment other shells need to reach it; ``status`` and ``shutdown`` need a cluster to talk to.
-The token is never printed: ``serve`` prints the file that holds it (readable by you only).
+The token is never printed: ``serve`` prints the file that holds it (readable by you only), and
+removes it when it ends the service (Ctrl-C, SIGTERM, SIGHUP).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpus-per-replica", type=float, default=1)
     serve.add_argument("--gpus-per-replica", type=float)
     serve.add_argument("--torch-threads", type=int)
+    serve.add_argument("--replace", action="store_true",
+                       help="replace a running service of this name (its connected clients then fail with ServiceChanged)")
     serve.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                        help="a backend option, as load_model(..., KEY=VALUE) (VALUE read as JSON where it parses)")
     status = commands.add_parser("status", help="services, replicas, health and queues")
@@ -73,7 +76,7 @@ def _serve(args) -> int:
     info = serve(args.model, args.name, backend=args.backend, replicas=args.replicas, min_replicas=args.min_replicas,
                  max_replicas=args.max_replicas, host=args.host, port=args.port,
                  cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
-                 torch_threads=args.torch_threads, **dict(args.option))
+                 torch_threads=args.torch_threads, replace=args.replace, **dict(args.option))
     print(f"service {info.name}: {info.replicas} replica(s) of {info.model} ({info.backend})")
     print(f"  url:   {info.url}")
     print(f"  token: in {info.token_path} (readable by you only)")
@@ -86,17 +89,36 @@ def _serve(args) -> int:
     for key, value in env.items():
         print(f"    export {key}={value}")
     print("  Ctrl-C ends the service and this Ray.", flush=True)
-    try:
-        import time
+    _hold(info.name)
+    return 0
 
+
+def _hold(name: str) -> None:
+    """Keep this process (and the Ray it runs) until Ctrl-C, SIGTERM or SIGHUP; then end Serve and
+    Ray and remove the service's token files, however the wait ends."""
+    import signal
+    import time
+
+    from .auth import forget_token
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        pass
+    finally:
+        forget_token(name)  # first: a second Ctrl-C during the shutdown below leaves no token behind
+        import ray
         from ray import serve as ray_serve
 
-        ray_serve.shutdown()
-        ray.shutdown()
-    return 0
+        if ray.is_initialized():
+            ray_serve.shutdown()
+            ray.shutdown()
 
 
 def _status(args) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import re
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ..batching import join_captured, split_with_edits
 from ..wire import unpack_dict
 from ..cache import Cache
 from ..wire import edits_for_replica
-from ..errors import InputError
+from ..errors import InputError, shown
 from ..model import CaptureModel, Completion
 from ..request import Request
 from ..tokens import Tokenizer
@@ -151,7 +152,9 @@ class RayServiceModel(ServiceModel):
 def connect(target: str, *, token: str | None = None, timeout: float = 600.0) -> ServiceModel:
     """The service ``target`` as a model: a service name (through the connected Ray cluster, or
     ``RAY_ADDRESS``) or its URL ``http://host:port/NAME`` (over HTTP, with the bearer ``token``;
-    without one, the token file ``serve()`` wrote on this machine for NAME is read)."""
+    without one, the token file ``serve()`` wrote on this machine for NAME is read, and sent only if
+    it was written for this very URL). ``timeout`` bounds the whole connect and each later wait
+    for a reply."""
     if not isinstance(target, str) or not target:
         raise InputError(f"connect() takes a service name ('smollm2') or its URL ('http://127.0.0.1:8000/smollm2'), "
                          f"got {target!r}")
@@ -159,7 +162,7 @@ def connect(target: str, *, token: str | None = None, timeout: float = 600.0) ->
         from .auth import read_token
         from .transport import HttpTransport
 
-        transport = HttpTransport(target, token or read_token(target.rstrip("/").rsplit("/", 1)[-1]), timeout)
+        transport = HttpTransport(target, token or read_token(target), timeout)
         return ServiceModel(transport)
     from ray import serve
 
@@ -171,7 +174,7 @@ def connect(target: str, *, token: str | None = None, timeout: float = 600.0) ->
     if target not in running:
         raise ServiceError(f"no service {target!r} on this cluster; running: {', '.join(sorted(running)) or 'none'}. "
                            f"Deploy it with serve(model, name={target!r}) or interp-engine serve")
-    return RayServiceModel(RayTransport(target))
+    return RayServiceModel(RayTransport(target, timeout=timeout))
 
 
 def _join_cluster() -> None:
@@ -194,13 +197,42 @@ def _join_cluster() -> None:
     ray.init(address=address, log_to_driver=False)
 
 
+#: what a tokenizer file the service sends may be called: a plain file name, never a path
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_+-]*(\.[A-Za-z0-9_+-]+)*")
+#: at most this many tokenizer files, of at most this many bytes together
+MAX_TOKENIZER_FILES = 32
+MAX_TOKENIZER_BYTES = 256 * 2**20
+
+
 def _tokenizer(files: dict[str, bytes]):
+    """The tokenizer of the service's files, written to a temporary folder of this client's own
+    under names that are checked to be plain file names: a peer never chooses a path here."""
     from transformers import AutoTokenizer
 
+    from ..errors import UnsafeServiceAnswer
+
+    if not isinstance(files, dict) or not 0 < len(files) <= MAX_TOKENIZER_FILES:
+        raise UnsafeServiceAnswer(f"the service sent {len(files) if isinstance(files, dict) else type(files).__name__}"
+                                  f" tokenizer files (a tokenizer has 1 to {MAX_TOKENIZER_FILES}): refused")
+    for name, data in files.items():
+        if not isinstance(name, str) or len(name) > 128 or not _FILE_NAME.fullmatch(name):
+            raise UnsafeServiceAnswer(f"the service named a tokenizer file {shown(name)}, which is not a plain file "
+                                      f"name (letters, digits, '_', '+', '-', dots between them; no folders): "
+                                      f"the connection is refused and nothing was written. Check that the URL is "
+                                      f"your service")
+        if not isinstance(data, bytes):
+            raise UnsafeServiceAnswer(f"the service sent tokenizer file {name!r} as {type(data).__name__}: refused")
+    if sum(len(data) for data in files.values()) > MAX_TOKENIZER_BYTES:
+        raise UnsafeServiceAnswer(f"the service sent over {MAX_TOKENIZER_BYTES} bytes of tokenizer files: refused")
     with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp).resolve()
         for name, data in files.items():
-            (Path(tmp) / name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(tmp)
+            path = folder / name
+            if path.parent != folder:  # the name check makes this impossible; never trust one check alone
+                raise UnsafeServiceAnswer(f"tokenizer file {name!r} would land outside {folder}: refused")
+            with open(path, "xb") as out:
+                out.write(data)
+        return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _points(addresses) -> list[str]:

@@ -44,7 +44,7 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
           dtype="float32", device: str | None = None, gpus_per_replica: float | None = None,
           cpus_per_replica: float = 1, torch_threads: int | None = None, env_vars: dict[str, str] | None = None,
           max_ongoing_requests: int = MAX_ONGOING, max_queued_requests: int = MAX_QUEUED,
-          startup_timeout: float = 600, **backend_options) -> ServiceInfo:
+          startup_timeout: float = 600, replace: bool = False, **backend_options) -> ServiceInfo:
     """Deploy ``model`` as the service ``name`` (see the module docstring) and return its :class:`ServiceInfo`.
 
     ``replicas`` copies of the model, or between ``min_replicas`` and ``max_replicas`` scaled by
@@ -52,7 +52,9 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
     this call starts Serve (127.0.0.1: this machine only). ``limits``: what one HTTP request may
     ask for (:class:`~.limits.Limits`). Placement (``gpus_per_replica``, ``cpus_per_replica``,
     ``torch_threads``, ``env_vars``) and other keyword arguments are those of
-    ``load_model(..., replicas=N)``.
+    ``load_model(..., replicas=N)``. A name that already runs is refused unless ``replace=True``
+    (then its connected Ray clients fail with ``ServiceChanged`` instead of getting the new model's
+    answers, and its HTTP clients need the new token).
     """
     from ray import serve as ray_serve
 
@@ -65,6 +67,8 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
     limits = limits or Limits()
     connect()
     url = _start_serve(host, port) + f"/{name}"
+    if not replace:
+        _check_free(name)
     token = new_token()
     bound, count = application(model, name, url, token_sha256(token), backend=backend, scaling=scaling, limits=limits,
                                dtype=dtype, device=device, gpus_per_replica=gpus_per_replica,
@@ -80,7 +84,7 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
         raise ServiceError(f"service {name!r} failed to start {model!r} ({backend}): {why}") from None
     handle = ray_serve.get_deployment_handle(DEPLOYMENT, app_name=name)
     handle.ping.remote().result(timeout_s=max(1.0, startup_timeout - (time.monotonic() - started)))
-    path = write_token(name, token)
+    path = write_token(name, token, url)
     return ServiceInfo(name, url, token, str(path), str(model), backend, count)
 
 
@@ -90,14 +94,26 @@ def shutdown(name: str) -> None:
     from ray import serve as ray_serve
 
     from ..cluster.placement import connect
-    from .auth import token_path
+    from .auth import forget_token
 
     connect()
     running = ray_serve.status().applications
     if name not in running:
         raise ServiceError(f"no service {name!r} to shut down; running: {', '.join(sorted(running)) or 'none'}")
     ray_serve.delete(name)
-    token_path(name).unlink(missing_ok=True)
+    forget_token(name)
+
+
+def _check_free(name: str) -> None:
+    """Refuse to deploy over a running service: its clients would silently get another model."""
+    from ray import serve as ray_serve
+
+    app = ray_serve.status().applications.get(name)
+    if app is not None:
+        raise ServiceError(f"a service {name!r} already runs ({getattr(app.status, 'value', app.status)}): end it "
+                           f"first (shutdown({name!r}) or interp-engine shutdown {name}), pick another name, or "
+                           f"replace it with serve(..., replace=True) (interp-engine serve --replace); its "
+                           f"connected clients then fail with ServiceChanged")
 
 
 def _check_name(name) -> None:

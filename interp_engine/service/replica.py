@@ -17,6 +17,7 @@ the next checkpoint (:mod:`interp_engine.cancel`).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 
@@ -25,10 +26,13 @@ from ray import serve
 from ..actors.replica import ReplicaCore, ReplicaSpec
 from ..wire import CaptureReply, GenerationReply
 from ..address import parse_address
+from ..errors import InputError
 from ..points import check_points
 from ..wire import Packed
 from ..positions import width_bound
 from . import compat
+from .identity import check as check_identity
+from .identity import identity as identity_of
 from .http_api import app
 from .limits import Limits, itemsize, response_bound
 
@@ -79,6 +83,25 @@ class CaptureReplica:
             raise
 
     # -- what Ray clients call (through a DeploymentHandle) -------------------------------------
+    async def identity(self) -> dict:
+        """This deployment's identity (:mod:`.identity`); the weights hashed once."""
+        if "_identity" not in self.__dict__:
+            try:
+                weights = await self._in_thread(self.core.weights_sha256)
+            except NotImplementedError:  # a model without a local folder to hash
+                weights = None
+            self._identity = identity_of(self.service, self.model.dtype, weights)
+        return self._identity
+
+    async def checked(self, expected: dict, method: str, *args):
+        """``method(*args)`` if the caller connected to this deployment (``expected``, its
+        identity); ``ServiceChanged`` naming what differs otherwise."""
+        check_identity(expected, await self.identity(), self.service.get("name", "?"))
+        if method.startswith("_"):
+            raise InputError(f"a service replica has no call {method!r}")
+        answer = getattr(self, method)(*args)
+        return await answer if inspect.isawaitable(answer) else answer
+
     async def facts(self):
         return await self._in_thread(self.core.facts)
 

@@ -8,6 +8,12 @@ new one), its connection broke, or the service answered 503 because its queue wa
 again, after ``Retry-After`` or a growing back-off, until it succeeds or ``retry_timeout`` passes.
 A refusal of the request itself (bad input, a limit, a wrong token) is raised at once, as the
 library's own error class with the service's message.
+
+No wait is unbounded: a reply is awaited at most ``timeout`` seconds (``connect(..., timeout=)``),
+which also bounds the whole of ``connect``. Through Ray, a wait checks every few seconds that the
+service still exists (a shut-down service is an error, not a hang), and every call names the
+deployment the client connected to (:mod:`.identity`): a replica of another deployment under the
+same name refuses it with ``ServiceChanged`` instead of answering with another model.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from ..errors import InputError, InternalError, RemoteError, ServiceAuthError, S
 RETRY_TIMEOUT_S = 300.0
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
+#: how often a Ray client waiting for a reply checks that its service still exists
+ALIVE_CHECK_S = 5.0
 
 
 class Lost(Exception):
@@ -41,9 +49,10 @@ class Lost(Exception):
 class Retry:
     """The back-off of one request: ``wait(lost)`` sleeps before the next try, or raises once the deadline passed."""
 
-    def __init__(self, what: str, timeout: float = RETRY_TIMEOUT_S):
+    def __init__(self, what: str, timeout: float = RETRY_TIMEOUT_S, deadline: float | None = None):
         self.what = what
-        self.deadline = time.monotonic() + timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout if deadline is None else min(deadline, self.started + timeout)
         self.backoff = FIRST_BACKOFF_S
         self.tries = 0
 
@@ -52,8 +61,8 @@ class Retry:
         delay = lost.retry_after if lost.retry_after is not None else self.backoff
         self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
         if time.monotonic() + delay > self.deadline:
-            raise ServiceError(f"{self.what} failed {self.tries} times over {RETRY_TIMEOUT_S:g}s; last: {lost}. "
-                               f"Check the service: interp-engine status") from None
+            raise ServiceError(f"{self.what} failed {self.tries} times over {time.monotonic() - self.started:.0f}s; "
+                               f"last: {lost}. Check the service: interp-engine status") from None
         return delay
 
     def wait(self, lost: Lost) -> None:
@@ -77,39 +86,84 @@ class Facts:
 # -- through Ray --------------------------------------------------------------------------------
 class RayTransport:
     """Calls on the deployment's replicas through a Serve ``DeploymentHandle`` (any process connected
-    to the cluster); Serve picks the replica and queues the call."""
+    to the cluster); Serve picks the replica and queues the call. Every call goes through the
+    replica's ``checked`` with the identity this client connected to."""
 
     kind = "ray"
 
-    def __init__(self, name: str, retry_timeout: float = RETRY_TIMEOUT_S):
+    def __init__(self, name: str, retry_timeout: float = RETRY_TIMEOUT_S, timeout: float = 600.0):
         from ray import serve
 
         from .status import DEPLOYMENT
 
         self.name = name
         self.retry_timeout = retry_timeout
+        self.timeout = timeout
         self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=name)
+        #: the deployment this client talks to (:mod:`.identity`); set by :meth:`facts`
+        self.identity: dict | None = None
         #: requests sent again after they were lost or refused for load
         self.resent = 0
 
     def _lost(self, err: BaseException) -> Lost | None:
         from ray.exceptions import ActorUnavailableError, RayActorError
-        from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
         if isinstance(err, BackPressureError):
             return Lost(f"the service's queue is full ({err})", err.retry_after_s)
         if isinstance(err, (RayActorError, ActorUnavailableError, ReplicaUnavailableError)):
             return Lost(f"its replica was lost ({type(err).__name__})")
+        if isinstance(err, DeploymentUnavailableError):
+            return Lost(f"it is unavailable ({err.message})")
         return None
 
+    def check_alive(self) -> None:
+        """Raise ``ServiceError`` when the service is no longer deployed on the cluster."""
+        from ray import serve
+
+        running = serve.status().applications
+        if self.name not in running:
+            raise ServiceError(f"service {self.name!r} is gone from this cluster (shut down?); running: "
+                               f"{', '.join(sorted(running)) or 'none'}. Deploy it again and connect again: "
+                               f"connect({self.name!r})")
+
+    def _send(self, method: str, args: tuple):
+        if method == "identity":
+            return self.handle.identity.remote()
+        if self.identity is None:
+            raise InternalError(f"[Internal] {method} on service {self.name!r} before its identity is known")
+        return self.handle.checked.remote(self.identity, method, *args)
+
+    def _result(self, response, what: str, deadline: float):
+        """The reply of ``response``, waited for until ``deadline``, checking the service is still
+        there every :data:`ALIVE_CHECK_S`; cancelled and an error when either fails."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return response.result(timeout_s=max(0.01, min(ALIVE_CHECK_S, left)))
+            except TimeoutError:
+                pass
+            try:
+                if time.monotonic() >= deadline:
+                    raise ServiceError(f"{what} got no reply within {self.timeout:g}s (connect(..., timeout=...) "
+                                       f"sets it). Check the service: interp-engine status {self.name}")
+                self.check_alive()
+            except BaseException:
+                response.cancel()
+                raise
+
     def call(self, method: str, *args):
+        return self._call(method, args)
+
+    def _call(self, method: str, args: tuple, deadline: float | None = None):
         from ray.exceptions import RayTaskError
 
-        retry = Retry(f"{method} on service {self.name!r}", self.retry_timeout)
+        what = f"{method} on service {self.name!r}"
+        retry = Retry(what, self.retry_timeout, deadline)
         while True:
-            response = getattr(self.handle, method).remote(*args)
+            response = self._send(method, args)
             try:
-                return response.result()
+                return self._result(response, what, min(time.monotonic() + self.timeout, retry.deadline))
             except KeyboardInterrupt:
                 response.cancel()
                 raise
@@ -121,20 +175,41 @@ class RayTransport:
                 lost = self._lost(err)
                 if lost is None:
                     raise
+            self.check_alive()
             retry.wait(lost)
             self.resent += 1
+
+    async def _aresult(self, response, what: str, deadline: float):
+        """:meth:`_result` for ``await``: the event loop keeps running while it waits."""
+        async def reply():
+            return await response
+
+        task = asyncio.ensure_future(reply())
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({task}, timeout=max(0.01, min(ALIVE_CHECK_S, left)))
+                if done:
+                    return task.result()
+                if time.monotonic() >= deadline:
+                    raise ServiceError(f"{what} got no reply within {self.timeout:g}s (connect(..., timeout=...) "
+                                       f"sets it). Check the service: interp-engine status {self.name}")
+                await asyncio.to_thread(self.check_alive)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                response.cancel()
+            raise
 
     async def acall(self, method: str, *args):
         from ray.exceptions import RayTaskError
 
-        retry = Retry(f"{method} on service {self.name!r}", self.retry_timeout)
+        what = f"{method} on service {self.name!r}"
+        retry = Retry(what, self.retry_timeout)
         while True:
-            response = getattr(self.handle, method).remote(*args)
+            response = self._send(method, args)
             try:
-                return await response
-            except asyncio.CancelledError:
-                response.cancel()
-                raise
+                return await self._aresult(response, what, min(time.monotonic() + self.timeout, retry.deadline))
             except RayTaskError as err:
                 lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
                 if lost is None:
@@ -143,13 +218,18 @@ class RayTransport:
                 lost = self._lost(err)
                 if lost is None:
                     raise
+            await asyncio.to_thread(self.check_alive)
             await retry.await_(lost)
             self.resent += 1
 
     def facts(self) -> Facts:
-        replica = self.call("facts")
+        """What the model needs to know, and the identity every later call is checked against; all
+        within ``timeout``."""
+        deadline = time.monotonic() + self.timeout
+        self.identity = self._call("identity", (), deadline)
+        replica = self._call("facts", (), deadline)
         return Facts(replica.info, replica.capabilities, replica.model_dtype, replica.tokenizer_files,
-                     self.call("describe"))
+                     self._call("describe", (), deadline))
 
     def dictionaries(self, plan) -> list:
         """``[(key, object ref)]`` of a call's dictionaries, each put in the object store once; a
@@ -219,7 +299,7 @@ class HttpTransport:
             connection = self._local.connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         return connection
 
-    def _once(self, method: str, path: str, body: dict | None):
+    def _once(self, method: str, path: str, body: dict | None, deadline: float | None = None):
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Authorization": self._auth}
         if payload is not None:
@@ -227,6 +307,10 @@ class HttpTransport:
             if "dictionaries" in body:  # http_wire.MISSING: weights the replica asked for
                 headers["X-Interp-Engine-Dictionaries"] = "1"
         connection = self._connection()
+        wait = self.timeout if deadline is None else max(0.01, min(self.timeout, deadline - time.monotonic()))
+        connection.timeout = wait
+        if connection.sock is not None:
+            connection.sock.settimeout(wait)
         try:
             connection.request(method, self.base + path, body=payload, headers=headers)
             response = connection.getresponse()
@@ -237,11 +321,12 @@ class HttpTransport:
             raise Lost(f"the connection to {self.url} failed ({type(err).__name__}: {err})") from None
         return response.status, response.headers, data
 
-    def request(self, method: str, path: str, body: dict | None = None) -> bytes:
-        retry = Retry(f"{method} {self.url}{path}", self.retry_timeout)
+    def request(self, method: str, path: str, body: dict | None = None, deadline: float | None = None) -> bytes:
+        """The body of a 200 answer; sent again while lost, until ``retry_timeout`` or ``deadline`` passes."""
+        retry = Retry(f"{method} {self.url}{path}", self.retry_timeout, deadline)
         while True:
             try:
-                status, headers, data = self._once(method, path, body)
+                status, headers, data = self._once(method, path, body, retry.deadline if deadline else None)
                 return self._answer(status, headers, data, path)
             except Lost as lost:
                 retry.wait(lost)
@@ -281,7 +366,7 @@ class HttpTransport:
         from ..points import ModelInfo
         from ..capabilities import Capabilities
 
-        answer = json.loads(self.request("GET", "/info"))
+        answer = json.loads(self.request("GET", "/info", deadline=time.monotonic() + self.timeout))
         model = answer["model"]
         info = ModelInfo(**{**model, "sites": frozenset(model["sites"]), "moe_layers": tuple(model["moe_layers"])})
         caps = answer["capabilities"]

@@ -22,9 +22,11 @@ RETRY_AFTER_S = 1
 def application(model: str, name: str, url: str, token_sha256: str, *, backend: str = "eager", scaling: dict,
                 limits: Limits, dtype="float32", device: str | None = None, gpus_per_replica: float | None = None,
                 cpus_per_replica: float = 1, torch_threads: int | None = None, env_vars: dict | None = None,
-                max_ongoing_requests: int = MAX_ONGOING, max_queued_requests: int = MAX_QUEUED, **backend_options):
+                max_ongoing_requests: int = MAX_ONGOING, max_queued_requests: int = MAX_QUEUED,
+                deploy_id: str | None = None, **backend_options):
     """The bound Serve application of one service, and its initial replica count. Runs where Ray is
-    connected (the GPU count decides the default placement, as for ``load_model(..., replicas=N)``)."""
+    connected (the GPU count decides the default placement, as for ``load_model(..., replicas=N)``).
+    ``deploy_id`` (a new random one by default) is part of the deployment's identity (:mod:`.identity`)."""
     import ray
     from ray import serve as ray_serve
 
@@ -46,7 +48,7 @@ def application(model: str, name: str, url: str, token_sha256: str, *, backend: 
         actor["runtime_env"] = {"env_vars": {k: str(v) for k, v in env_vars.items()}}
     count = scaling.get("num_replicas") or scaling["autoscaling_config"]["min_replicas"]
     facts = {"name": name, "url": url, "model": str(model), "backend": backend, "replicas": count,
-             "limits": dataclasses.asdict(limits), "deploy_id": secrets.token_hex(8)}
+             "limits": dataclasses.asdict(limits), "deploy_id": deploy_id or secrets.token_hex(8)}
     deployment = ray_serve.deployment(
         CaptureReplica, name=DEPLOYMENT, ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,

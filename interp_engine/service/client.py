@@ -167,7 +167,7 @@ def connect(target: str, *, token: str | None = None, timeout: float = 600.0) ->
     from ray import serve
 
     from ..errors import ServiceError
-    from .transport import RayTransport
+    from .ray_transport import RayTransport
 
     _join_cluster()
     running = serve.status().applications

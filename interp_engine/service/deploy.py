@@ -16,6 +16,7 @@ lives as long as the calling process; ``interp-engine serve`` keeps its process 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 
 from ..errors import InputError, ServiceError
@@ -70,11 +71,12 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
     if not replace:
         _check_free(name)
     token = new_token()
+    deploy_id = secrets.token_hex(8)
     bound, count = application(model, name, url, token_sha256(token), backend=backend, scaling=scaling, limits=limits,
                                dtype=dtype, device=device, gpus_per_replica=gpus_per_replica,
                                cpus_per_replica=cpus_per_replica, torch_threads=torch_threads, env_vars=env_vars,
                                max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
-                               **backend_options)
+                               deploy_id=deploy_id, **backend_options)
     started = time.monotonic()
     try:
         ray_serve.run(bound, name=name, route_prefix=f"/{name}", blocking=False)
@@ -84,6 +86,8 @@ def serve(model: str, name: str, *, backend: str = "eager", replicas: int = 1, m
         raise ServiceError(f"service {name!r} failed to start {model!r} ({backend}): {why}") from None
     handle = ray_serve.get_deployment_handle(DEPLOYMENT, app_name=name)
     handle.ping.remote().result(timeout_s=max(1.0, startup_timeout - (time.monotonic() - started)))
+    if replace:
+        _wait_replaced(name, handle, deploy_id, started + startup_timeout)
     path = write_token(name, token, url)
     return ServiceInfo(name, url, token, str(path), str(model), backend, count)
 
@@ -114,6 +118,26 @@ def _check_free(name: str) -> None:
                            f"first (shutdown({name!r}) or interp-engine shutdown {name}), pick another name, or "
                            f"replace it with serve(..., replace=True) (interp-engine serve --replace); its "
                            f"connected clients then fail with ServiceChanged")
+
+
+def _wait_replaced(name: str, handle, deploy_id: str, deadline: float) -> None:
+    """Wait until Serve finished replacing the service ``name`` by the deployment ``deploy_id``
+    (the application RUNNING again and answering as it), or raise its error."""
+    from ray import serve as ray_serve
+
+    while True:
+        app = ray_serve.status().applications.get(name)
+        state = "GONE" if app is None else str(getattr(app.status, "value", app.status))
+        if state == "DEPLOY_FAILED":
+            raise ServiceError(f"service {name!r} failed to replace its model: {_replica_error(name, RuntimeError(state))}")
+        if state == "RUNNING":
+            left = max(1.0, deadline - time.monotonic())
+            if handle.identity.remote().result(timeout_s=left)["deploy_id"] == deploy_id:
+                return
+        if time.monotonic() > deadline:
+            raise ServiceError(f"service {name!r} was not replaced within startup_timeout (state {state}); "
+                               f"interp-engine status {name} shows why")
+        time.sleep(0.5)
 
 
 def _check_name(name) -> None:

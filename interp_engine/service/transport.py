@@ -1,5 +1,5 @@
-"""How a connected model reaches a deployed service: through Ray (a Serve ``DeploymentHandle``) or
-over HTTP (the API of :mod:`.http_api`; no Ray needed). Both offer the same calls, with the
+"""How a connected model reaches a deployed service: through Ray (a Serve ``DeploymentHandle``,
+:mod:`.ray_transport`) or over HTTP (the API of :mod:`.http_api`; no Ray needed, here). Both offer the same calls, with the
 cluster's wire values (:class:`~interp_engine.wire.CaptureReply`, ``GenerationReply``), so the model
 on top (:mod:`.client`) does not know which it uses.
 
@@ -10,10 +10,7 @@ A refusal of the request itself (bad input, a limit, a wrong token) is raised at
 library's own error class with the service's message.
 
 No wait is unbounded: a reply is awaited at most ``timeout`` seconds (``connect(..., timeout=)``),
-which also bounds the whole of ``connect``. Through Ray, a wait checks every few seconds that the
-service still exists (a shut-down service is an error, not a hang), and every call names the
-deployment the client connected to (:mod:`.identity`): a replica of another deployment under the
-same name refuses it with ``ServiceChanged`` instead of answering with another model.
+which also bounds the whole of ``connect``.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ from ..errors import InputError, InternalError, RemoteError, ServiceAuthError, S
 RETRY_TIMEOUT_S = 300.0
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
-#: how often a Ray client waiting for a reply checks that its service still exists
-ALIVE_CHECK_S = 5.0
 
 
 class Lost(Exception):
@@ -81,193 +76,6 @@ class Facts:
     dtype: str
     tokenizer_files: dict[str, bytes]
     service: dict
-
-
-# -- through Ray --------------------------------------------------------------------------------
-class RayTransport:
-    """Calls on the deployment's replicas through a Serve ``DeploymentHandle`` (any process connected
-    to the cluster); Serve picks the replica and queues the call. Every call goes through the
-    replica's ``checked`` with the identity this client connected to."""
-
-    kind = "ray"
-
-    def __init__(self, name: str, retry_timeout: float = RETRY_TIMEOUT_S, timeout: float = 600.0):
-        from ray import serve
-
-        from .status import DEPLOYMENT
-
-        self.name = name
-        self.retry_timeout = retry_timeout
-        self.timeout = timeout
-        self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=name)
-        #: the deployment this client talks to (:mod:`.identity`); set by :meth:`facts`
-        self.identity: dict | None = None
-        #: requests sent again after they were lost or refused for load
-        self.resent = 0
-
-    def _lost(self, err: BaseException) -> Lost | None:
-        from ray.exceptions import ActorUnavailableError, RayActorError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-
-        if isinstance(err, BackPressureError):
-            return Lost(f"the service's queue is full ({err})", err.retry_after_s)
-        if isinstance(err, (RayActorError, ActorUnavailableError, ReplicaUnavailableError)):
-            return Lost(f"its replica was lost ({type(err).__name__})")
-        if isinstance(err, DeploymentUnavailableError):
-            return Lost(f"it is unavailable ({err.message})")
-        return None
-
-    def check_alive(self) -> None:
-        """Raise ``ServiceError`` when the service is no longer deployed on the cluster."""
-        from ray import serve
-
-        running = serve.status().applications
-        if self.name not in running:
-            raise ServiceError(f"service {self.name!r} is gone from this cluster (shut down?); running: "
-                               f"{', '.join(sorted(running)) or 'none'}. Deploy it again and connect again: "
-                               f"connect({self.name!r})")
-
-    def _send(self, method: str, args: tuple):
-        if method == "identity":
-            return self.handle.identity.remote()
-        if self.identity is None:
-            raise InternalError(f"[Internal] {method} on service {self.name!r} before its identity is known")
-        return self.handle.checked.remote(self.identity, method, *args)
-
-    def _result(self, response, what: str, deadline: float):
-        """The reply of ``response``, waited for until ``deadline``, checking the service is still
-        there every :data:`ALIVE_CHECK_S`; cancelled and an error when either fails."""
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return response.result(timeout_s=max(0.01, min(ALIVE_CHECK_S, left)))
-            except TimeoutError:
-                pass
-            try:
-                if time.monotonic() >= deadline:
-                    raise ServiceError(f"{what} got no reply within {self.timeout:g}s (connect(..., timeout=...) "
-                                       f"sets it). Check the service: interp-engine status {self.name}")
-                self.check_alive()
-            except BaseException:
-                response.cancel()
-                raise
-
-    def call(self, method: str, *args):
-        return self._call(method, args)
-
-    def _call(self, method: str, args: tuple, deadline: float | None = None):
-        from ray.exceptions import RayTaskError
-
-        what = f"{method} on service {self.name!r}"
-        retry = Retry(what, self.retry_timeout, deadline)
-        while True:
-            response = self._send(method, args)
-            try:
-                return self._result(response, what, min(time.monotonic() + self.timeout, retry.deadline))
-            except KeyboardInterrupt:
-                response.cancel()
-                raise
-            except RayTaskError as err:
-                lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
-                if lost is None:
-                    raise errors.user_error(err) from None
-            except Exception as err:
-                lost = self._lost(err)
-                if lost is None:
-                    raise
-            self.check_alive()
-            retry.wait(lost)
-            self.resent += 1
-
-    async def _aresult(self, response, what: str, deadline: float):
-        """:meth:`_result` for ``await``: the event loop keeps running while it waits."""
-        async def reply():
-            return await response
-
-        task = asyncio.ensure_future(reply())
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                done, _ = await asyncio.wait({task}, timeout=max(0.01, min(ALIVE_CHECK_S, left)))
-                if done:
-                    return task.result()
-                if time.monotonic() >= deadline:
-                    raise ServiceError(f"{what} got no reply within {self.timeout:g}s (connect(..., timeout=...) "
-                                       f"sets it). Check the service: interp-engine status {self.name}")
-                await asyncio.to_thread(self.check_alive)
-        except BaseException:
-            if not task.done():
-                task.cancel()
-                response.cancel()
-            raise
-
-    async def acall(self, method: str, *args):
-        from ray.exceptions import RayTaskError
-
-        what = f"{method} on service {self.name!r}"
-        retry = Retry(what, self.retry_timeout)
-        while True:
-            response = self._send(method, args)
-            try:
-                return await self._aresult(response, what, min(time.monotonic() + self.timeout, retry.deadline))
-            except RayTaskError as err:
-                lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
-                if lost is None:
-                    raise errors.user_error(err) from None
-            except Exception as err:
-                lost = self._lost(err)
-                if lost is None:
-                    raise
-            await asyncio.to_thread(self.check_alive)
-            await retry.await_(lost)
-            self.resent += 1
-
-    def facts(self) -> Facts:
-        """What the model needs to know, and the identity every later call is checked against; all
-        within ``timeout``."""
-        deadline = time.monotonic() + self.timeout
-        self.identity = self._call("identity", (), deadline)
-        replica = self._call("facts", (), deadline)
-        return Facts(replica.info, replica.capabilities, replica.model_dtype, replica.tokenizer_files,
-                     self._call("describe", (), deadline))
-
-    def dictionaries(self, plan) -> list:
-        """``[(key, object ref)]`` of a call's dictionaries, each put in the object store once; a
-        replica fetches and keeps each by key, as a cluster replica does."""
-        from ..wire import put_dictionaries
-
-        return put_dictionaries(plan, self.__dict__.setdefault("_dictionaries", {}))
-
-    def run(self, tokens, points, positions=None, edits=None, saes=None):
-        return self.call("run", tokens, points, positions, edits, saes)
-
-    def generate(self, tokens, points, options, positions=None, edits=None, saes=None):
-        return self.call("generate", tokens, points, options, positions, edits, saes)
-
-    async def arun(self, tokens, points, positions=None, edits=None, saes=None):
-        return await self.acall("run", tokens, points, positions, edits, saes)
-
-    async def agenerate(self, tokens, points, options, positions=None, edits=None, saes=None):
-        return await self.acall("generate", tokens, points, options, positions, edits, saes)
-
-    def o_proj_weight(self, layer: int):
-        return self.call("o_proj_weight", layer).tensor()
-
-    def unembed_weights(self):
-        from ..unembedding import UnembedWeights
-
-        return UnembedWeights.from_plain(self.call("unembed_weights"))
-
-    def weights_sha256(self) -> str:
-        return self.call("weights_sha256")
-
-    def ping(self) -> int:
-        return self.call("ping")
-
-    def status(self) -> dict:
-        from .status import service_status
-
-        return service_status(self.name)
 
 
 # -- over HTTP ----------------------------------------------------------------------------------

@@ -78,12 +78,15 @@ class RayTransport:
     def _result(self, response, what: str, deadline: float):
         """The reply of ``response``, waited for until ``deadline``, checking the service is still
         there every :data:`ALIVE_CHECK_S`; cancelled and an error when either fails."""
+        from ray.exceptions import RayTaskError
+
         while True:
             left = deadline - time.monotonic()
             try:
                 return response.result(timeout_s=max(0.01, min(ALIVE_CHECK_S, left)))
-            except TimeoutError:
-                pass
+            except TimeoutError as err:
+                if isinstance(err, RayTaskError):  # the replica's own error (RayTaskError subclasses its cause)
+                    raise
             try:
                 if time.monotonic() >= deadline:
                     raise ServiceError(f"{what} got no reply within {self.timeout:g}s (connect(..., timeout=...) "

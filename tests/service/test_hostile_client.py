@@ -228,3 +228,59 @@ def test_stopping_interp_engine_serve_removes_its_token(tmp_path, how):
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- a Ray client's wait on a reply -------------------------------------------------------------
+class _Never:
+    """A DeploymentResponse that never resolves (a request to a service that is gone), or raises
+    ``error`` at once."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error, self.waits, self.cancelled = error, 0, False
+
+    def result(self, timeout_s):
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+        time.sleep(timeout_s)
+        raise TimeoutError("Timed out resolving to ObjectRef.")
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_ray_client_waits_for_a_reply_only_until_its_deadline(monkeypatch):
+    """RayTransport._result: a reply that never comes is an error at the deadline and is cancelled;
+    a service found gone ends the wait at the next check; a replica's own TimeoutError (Ray's
+    RayTaskError subclasses its cause) is raised, not taken for a slow reply."""
+    pytest.importorskip("ray")
+    from ray.exceptions import RayTaskError
+
+    from interp_engine.service import ray_transport
+
+    monkeypatch.setattr(ray_transport, "ALIVE_CHECK_S", 0.2)
+    transport = object.__new__(ray_transport.RayTransport)
+    transport.name, transport.timeout, checks = "svc", 1.0, []
+    transport.check_alive = lambda: checks.append(1)
+    response, started = _Never(), time.monotonic()
+    with pytest.raises(ServiceError, match=r"no reply within 1s.*timeout="):
+        transport._result(response, "run on service 'svc'", time.monotonic() + 1.0)
+    assert response.cancelled and checks and time.monotonic() - started < 1.0 + 5
+
+    def gone():
+        raise ServiceError("service 'svc' is gone from this cluster")
+
+    transport.check_alive = gone
+    response = _Never()
+    with pytest.raises(ServiceError, match="gone"):
+        transport._result(response, "run", time.monotonic() + 60)
+    assert response.cancelled and response.waits == 1
+
+    try:
+        raise TimeoutError("the replica's own")
+    except TimeoutError as cause:
+        own = RayTaskError("run", "traceback", cause).as_instanceof_cause()
+    response = _Never(own)
+    with pytest.raises(RayTaskError):
+        transport._result(response, "run", time.monotonic() + 60)
+    assert response.waits == 1

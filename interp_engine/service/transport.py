@@ -31,6 +31,9 @@ from ..errors import InputError, InternalError, RemoteError, ServiceAuthError, S
 RETRY_TIMEOUT_S = 300.0
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
+#: the most a client reads of ``GET /info`` (the tokenizer's files, base64, are most of it), before
+#: it knows the service: whatever answers at a URL does not choose how much the client allocates
+MAX_INFO_BYTES = 384 * 2**20
 
 
 class Lost(Exception):
@@ -107,7 +110,8 @@ class HttpTransport:
             connection = self._local.connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         return connection
 
-    def _once(self, method: str, path: str, body: dict | None, deadline: float | None = None):
+    def _once(self, method: str, path: str, body: dict | None, deadline: float | None = None,
+              limit: int | None = None):
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Authorization": self._auth}
         if payload is not None:
@@ -122,19 +126,31 @@ class HttpTransport:
         try:
             connection.request(method, self.base + path, body=payload, headers=headers)
             response = connection.getresponse()
-            data = response.read()
+            declared = response.getheader("Content-Length", "")
+            if limit is not None and declared.isdigit() and int(declared) > limit:
+                data = b"x" * (limit + 1)  # refused below, unread
+            else:
+                data = response.read() if limit is None else response.read(limit + 1)
         except (OSError, http.client.HTTPException) as err:
             connection.close()
             self._local.connection = None
             raise Lost(f"the connection to {self.url} failed ({type(err).__name__}: {err})") from None
+        if limit is not None and len(data) > limit:
+            connection.close()
+            self._local.connection = None
+            raise errors.UnsafeServiceAnswer(f"{self.url}{path} answered more than {limit} bytes (Content-Length: "
+                                             f"{declared or 'none'}); a service's answer there is far smaller: "
+                                             f"refused. Check that the URL is your service")
         return response.status, response.headers, data
 
-    def request(self, method: str, path: str, body: dict | None = None, deadline: float | None = None) -> bytes:
-        """The body of a 200 answer; sent again while lost, until ``retry_timeout`` or ``deadline`` passes."""
+    def request(self, method: str, path: str, body: dict | None = None, deadline: float | None = None,
+                limit: int | None = None) -> bytes:
+        """The body of a 200 answer (of at most ``limit`` bytes); sent again while lost, until
+        ``retry_timeout`` or ``deadline`` passes."""
         retry = Retry(f"{method} {self.url}{path}", self.retry_timeout, deadline)
         while True:
             try:
-                status, headers, data = self._once(method, path, body, retry.deadline if deadline else None)
+                status, headers, data = self._once(method, path, body, retry.deadline if deadline else None, limit)
                 return self._answer(status, headers, data, path)
             except Lost as lost:
                 retry.wait(lost)
@@ -174,7 +190,8 @@ class HttpTransport:
         from ..points import ModelInfo
         from ..capabilities import Capabilities
 
-        answer = json.loads(self.request("GET", "/info", deadline=time.monotonic() + self.timeout))
+        answer = json.loads(self.request("GET", "/info", deadline=time.monotonic() + self.timeout,
+                                         limit=MAX_INFO_BYTES))
         model = answer["model"]
         info = ModelInfo(**{**model, "sites": frozenset(model["sites"]), "moe_layers": tuple(model["moe_layers"])})
         caps = answer["capabilities"]

@@ -55,7 +55,8 @@ class FakeService:
     """An HTTP server on ``host``: answers ``GET .../info`` with ``info`` (or never, if ``silent``),
     and records every request's path and Authorization header."""
 
-    def __init__(self, host: str = "127.0.0.1", info: dict | None = None, silent: bool = False):
+    def __init__(self, host: str = "127.0.0.1", info: dict | None = None, silent: bool = False,
+                 declared: int | None = None):
         seen = self.seen = []
         release = self.release = threading.Event()
 
@@ -68,7 +69,7 @@ class FakeService:
                 body = json.dumps(info or {}).encode()
                 self.send_response(200 if self.path.endswith("/info") else 404)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(declared or len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -124,6 +125,24 @@ def test_tokenizer_file_names_that_are_paths_are_refused(info_of, tmp_path, monk
         assert not target.exists() and not (tmp_path / "escaped.json").exists()
         assert list(temp.iterdir()) == []  # the temporary folder is gone and held nothing else
         assert sorted(p.name for p in tmp_path.iterdir()) == ["temp"]
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("declared", [None, 10**12])
+def test_a_server_does_not_choose_how_much_the_client_reads(info_of, monkeypatch, declared):
+    """``GET /info`` is read up to a bound (here lowered below the real answer's size): a longer
+    answer, or one that declares 1 TB, is refused at once (nothing more read, no retry)."""
+    from interp_engine.service import transport
+
+    info = info_of()
+    monkeypatch.setattr(transport, "MAX_INFO_BYTES", len(json.dumps(info)) - 1)
+    fake = FakeService(info=info, declared=declared)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnsafeServiceAnswer, match=r"/svc/info answered more than \d+ bytes"):
+            connect(f"{fake.url}/svc", token="t0k", timeout=20)
+        assert len(fake.seen) == 1 and time.monotonic() - started < 10
     finally:
         fake.close()
 

@@ -303,3 +303,20 @@ def test_a_ray_client_waits_for_a_reply_only_until_its_deadline(monkeypatch):
     with pytest.raises(RayTaskError):
         transport._result(response, "run", time.monotonic() + 60)
     assert response.waits == 1
+
+
+def test_interp_engine_serve_replaces_a_running_service_only_when_told(monkeypatch):
+    """`interp-engine serve --replace` passes replace=True to serve(); without it, replace=False."""
+    pytest.importorskip("ray")
+    from interp_engine.service import cli, deploy
+
+    asked = []
+
+    def refuse(*args, **kwargs):
+        asked.append(kwargs["replace"])
+        raise ServiceError("a service 'x' already runs")
+
+    monkeypatch.setattr(deploy, "serve", refuse)
+    assert cli.main(["serve", "model", "--name", "x"]) == 1
+    assert cli.main(["serve", "model", "--name", "x", "--replace"]) == 1
+    assert asked == [False, True]

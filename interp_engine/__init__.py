@@ -24,6 +24,10 @@ from .edits import Add as Add
 from .edits import Scale as Scale
 from .edits import Set as Set
 from .edits import Zero as Zero
+from .edit_directions import Ablate as Ablate
+from .edit_directions import Cap as Cap
+from .edit_directions import Rotate as Rotate
+from .edit_directions import Swap as Swap
 from .dataset.build import ActivationDataset as ActivationDataset
 from .dataset.build import build_dataset as build_dataset
 from .dataset.dashboard import feature_dashboard as feature_dashboard

@@ -15,6 +15,10 @@ happens to the activation of each edited *position* (a ``[d_model]`` row of a re
 Several edits of one address are a list, applied in order, each to what the one before it
 wrote: ``{"resid_post.5": [Add(v), Zero(positions=[0])]}`` (every backend).
 
+Directional edits act on the component along a direction and leave the rest: ``Ablate(d)``,
+``Cap(d, max=, min=)``, ``Swap(d, projection=)``, ``Rotate(d, angle=)`` (:mod:`.edit_directions`
+defines each with its formula).
+
 ``positions`` picks the edited positions as a capture's ``positions=`` does (prompt positions,
 negative from the end of each prompt, ``"generated"``, ``None`` for all; see :mod:`.positions`);
 ``heads=[...]`` on the per-head sites (``z``, ``q``, ``k``, ``v``, ``pattern``) edits those heads
@@ -37,6 +41,8 @@ import torch
 from .address import SITES, Address, to_address
 from .points import ModelInfo, check_points
 from .capabilities import Capabilities
+from .edit_directions import DIRECTIONAL, Ablate, Cap, Rotate, Swap, plan_direction
+from .edit_directions import change as _directional
 from .edit_rows import dense, per_row_axes
 from .edit_values import check_add as _check_add
 from .edit_values import number as _number
@@ -97,11 +103,11 @@ def _edit_repr(edit) -> str:
     return f"{type(edit).__name__}({', '.join(parts)})"
 
 
-for _cls in (Add, Scale, Set, Zero):
+for _cls in (Add, Scale, Set, Zero, *DIRECTIONAL):
     _cls.__repr__ = _edit_repr
 
-Edit = Union[Add, Scale, Set, Zero]
-EDITS = (Add, Scale, Set, Zero)
+Edit = Union[Add, Scale, Set, Zero, Ablate, Cap, Swap, Rotate]
+EDITS = (Add, Scale, Set, Zero, *DIRECTIONAL)
 
 #: sites whose per-position block has a head axis (``heads=`` applies)
 HEAD_SITES = ("z", "q", "k", "v", "pattern")
@@ -201,11 +207,13 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
         if not caps.function_edits:
             raise InputError(
                 f"edit on {address}: a Python function is an edit on the eager backend only; the {caps.name} backend "
-                f"takes edits as data: Add(vector), Scale(factor), Set(value), Zero() (with positions=, heads=)")
+                f"takes edits as data: Add(vector), Scale(factor), Set(value), Zero(), or a directional edit "
+                f"(Ablate, Cap, Swap, Rotate), with positions=, heads=")
         return Planned(address, edit)
     if not isinstance(edit, EDITS):
         raise InputError(f"edit on {address}: {shown(edit)} is not an edit; use Add(vector), Scale(factor), "
-                         f"Set(value) or Zero() (or a function on eager)")
+                         f"Set(value), Zero(), a directional edit such as Ablate(direction) (or a function on "
+                         f"eager)")
     heads = _check_heads(address, edit.heads, info)
     positions = check_spec(edit.positions)
     try:
@@ -237,6 +245,8 @@ def _plan(address, edit, info, caps, tokens, lengths, generating, max_tokens) ->
         changes["factor"] = _number(address, "Scale's factor", edit.factor)
     elif isinstance(edit, Set):
         changes["value"] = fitted("Set's value", edit.value)
+    elif isinstance(edit, DIRECTIONAL):
+        changes.update(plan_direction(address, edit, block))
     return Planned(address, dataclasses.replace(edit, **changes), selection, per_row)
 
 
@@ -286,6 +296,8 @@ def apply_edit(edit: Edit, block: torch.Tensor) -> torch.Tensor:
 
 
 def _change(edit: Edit, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(edit, DIRECTIONAL):
+        return _directional(edit, x)
     if isinstance(edit, Zero):
         return torch.zeros_like(x)
     if isinstance(edit, Scale):

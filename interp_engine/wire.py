@@ -32,6 +32,7 @@ import torch
 
 from .address import Address, FeatureAddress, format_address, parse_address
 from .dtypes import as_bfloat16, bf16_bits, dtype_name
+from .edit_directions import DIRECTIONAL, KINDS, for_wire, from_wire
 from .edit_rows import one_row
 from .edits import EDITS, Add, Edit, Planned, Scale, Set, Zero
 from .errors import InputError, InternalError, RemoteError, shown
@@ -147,6 +148,10 @@ def edit_for_worker(planned: Planned, row: int = 0) -> dict:
         out.update(value=edit.value.detach().to("cpu", torch.float32), shape=list(edit.value.shape))
         digest.update(repr(out["shape"]).encode())
         digest.update(edit.value.contiguous().numpy().tobytes())
+    elif isinstance(edit, DIRECTIONAL):
+        out.update(for_wire(edit))
+        digest.update(repr({k: v for k, v in out.items() if k != "direction"}).encode())
+        digest.update(out["direction"].contiguous().numpy().tobytes())
     out["digest"] = digest.hexdigest()
     sel = planned.selection
     out["positions"] = positions
@@ -154,9 +159,13 @@ def edit_for_worker(planned: Planned, row: int = 0) -> dict:
     return out
 
 
+#: the fields of an edit's wire form that hold tensors
+TENSOR_FIELDS = ("vector", "value", "direction")
+
+
 def edit_from_worker(data: dict) -> Edit:
     """The edit :func:`edit_for_worker` described (tensors float32, on the CPU)."""
-    for key in ("vector", "value"):
+    for key in TENSOR_FIELDS:
         if key in data and not isinstance(data[key], torch.Tensor):
             raise InternalError(f"[Internal] an edit's {key} reached the worker as {type(data[key]).__name__}, "
                                 f"not a tensor: edits travel as tensors (wire.edit_for_worker)")
@@ -174,14 +183,18 @@ def edit_from_worker(data: dict) -> Edit:
         return Scale(data["factor"], heads=heads)
     if kind == "set":
         return Set(data["value"].to(torch.float32).reshape(data.get("shape", data["value"].shape)), heads=heads)
-    return Zero(heads=heads)
+    if kind == "zero":
+        return Zero(heads=heads)
+    return from_wire(kind, data, heads)
 
 
 #: the field each edit kind cannot go without on the wire, and what it is (for the error naming it)
 _EDIT_FIELDS = {"add": ("vector", "the vector it adds to each edited position, as Add(vector, scale=1.0)"),
                 "scale": ("factor", "the number it multiplies by, as Scale(factor)"),
                 "set": ("value", "the value it writes in place of each edited position, as Set(value)"),
-                "zero": ()}
+                "zero": (),
+                **{kind: ("direction", f"the direction it acts along, as {cls.__name__}(direction, ...)")
+                   for kind, cls in KINDS.items()}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,10 +333,10 @@ def edits_for_replica(planned: dict[Address, tuple[Planned, ...]] | None) -> dic
 def _for_replica(address: Address, p: Planned) -> dict:
     if not isinstance(p.edit, EDITS):
         raise InputError(f"edit on {address}: a Python function cannot be sent to cluster replicas (edits "
-                         f"travel as data); use Add / Scale / Set / Zero, or a local eager model")
+                         f"travel as data); use Add / Scale / Set / Zero or a directional edit, or a local eager model")
     data = edit_for_worker(dataclasses.replace(p, per_row=0))
     data.pop("per_position", None)
-    for key in ("vector", "value"):
+    for key in TENSOR_FIELDS:
         if key in data:
             data[key] = getattr(p.edit, key).numpy()
             data["shape"] = list(data[key].shape)
@@ -363,7 +376,7 @@ def edits_from_replica(plain: dict | None) -> dict[str, list[Edit]] | None:
 
 def _from_replica(data: dict) -> Edit:
     data = dict(data)
-    for key in ("vector", "value"):
+    for key in TENSOR_FIELDS:
         if key in data:
             data[key] = torch.from_numpy(data[key].copy())
     edit = edit_from_worker({**data, "heads": data.get("heads")})

@@ -18,6 +18,7 @@ import torch
 
 from ..address import Address, FeatureAddress, format_address, to_address
 from ..points import ModelInfo
+from ..edit_directions import DIRECTIONAL, plan_direction
 from ..edits import EDITS, Add, Planned, Set, _fit, _number
 from ..errors import AddressError, DictionaryError, InputError
 from ..positions import check_spec, resolve
@@ -227,6 +228,8 @@ def _plan_edit(point: FeatureAddress, edit, d: Dictionary, tokens, lengths, gene
         changes["value"] = _fit(point, "Set's value", edit.value, (width,))
     elif hasattr(edit, "factor"):
         changes["factor"] = _number(point, "Scale's factor", edit.factor)
+    elif isinstance(edit, DIRECTIONAL):  # a direction in the feature (or error term's) space
+        changes.update(plan_direction(point, edit, (width,)))
     return Planned(point, dataclasses.replace(edit, **changes), selection)
 
 

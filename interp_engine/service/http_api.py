@@ -57,15 +57,22 @@ Positions = Union[int, list[int], Literal["prompt", "generated"], SliceJSON, Non
 
 class EditJSON(BaseModel):
     """One edit: ``add`` (``vector``, ``scale``, ``norm_relative``), ``scale`` (``factor``),
-    ``set`` (``value``) or ``zero``; ``heads`` on per-head sites; ``positions`` as for captures."""
+    ``set`` (``value``) or ``zero``; a directional edit (``direction``): ``ablate``, ``cap``
+    (``max`` / ``min``), ``swap`` (``projection``), ``rotate`` (``angle``); ``heads`` on
+    per-head sites; ``positions`` as for captures."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["add", "scale", "set", "zero"]
+    kind: Literal["add", "scale", "set", "zero", "ablate", "cap", "swap", "rotate"]
     vector: TensorJSON | None = None
     scale: float = 1.0
     norm_relative: bool = False
     factor: float | None = None
     value: TensorJSON | None = None
+    direction: TensorJSON | None = None
+    max: float | None = None
+    min: float | None = None
+    projection: float | None = None
+    angle: float | None = None
     heads: list[int] | None = None
     positions: Positions = None
 

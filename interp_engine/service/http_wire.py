@@ -26,6 +26,7 @@ import json
 import numpy as np
 import torch
 
+from ..edit_directions import NUMBERS
 from ..wire import CaptureReply, GenerationReply
 from ..wire import Packed, SparsePacked
 from ..errors import InternalError
@@ -61,6 +62,10 @@ def tensor_from_json(data: dict) -> np.ndarray:
 
 
 # -- edits and positions as JSON ----------------------------------------------------------------
+#: the numbers of the directional edits (Cap's bounds, Swap's projection, Rotate's angle)
+DIRECTION_NUMBERS = tuple(sorted({name for names in NUMBERS.values() for name in names}))
+
+
 def edits_to_json(plain: dict | None) -> dict | None:
     """Checked edits in their plain form (:func:`interp_engine.wire.edits_for_replica`: per
     address, its edits in order) as JSON: per address, a list of edit objects."""
@@ -71,10 +76,10 @@ def edits_to_json(plain: dict | None) -> dict | None:
 
 def _edit_to_json(data: dict) -> dict:
     item = {"kind": data["kind"], "heads": data.get("heads"), "positions": data.get("positions")}
-    for key in ("scale", "norm_relative", "factor"):
+    for key in ("scale", "norm_relative", "factor", *DIRECTION_NUMBERS):
         if key in data:
             item[key] = data[key]
-    for key in ("vector", "value"):
+    for key in ("vector", "value", "direction"):
         if key in data:
             item[key] = tensor_to_json(data[key])
     return item
@@ -95,7 +100,9 @@ def _edit_from_json(item: dict) -> dict:
         data.update(scale=item.get("scale", 1.0), norm_relative=item.get("norm_relative", False))
     if item["kind"] == "scale":
         data["factor"] = item.get("factor")
-    for key in ("vector", "value"):
+    if item["kind"] in NUMBERS:  # a directional edit: its numbers (a Cap's bounds may be null)
+        data.update({key: item.get(key) for key in NUMBERS[item["kind"]]})
+    for key in ("vector", "value", "direction"):
         if item.get(key) is not None:
             data[key] = tensor_from_json(item[key])
             data["shape"] = list(data[key].shape)

@@ -24,7 +24,7 @@ PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again", "!", "Hell
 
 def request(model, i: int):
     """Request ``i`` of the catalogue on ``model``: ``(completion or None, {address string: tensor})``."""
-    from interp_engine import Add, Scale, Zero, capture_generation, run_with_cache
+    from interp_engine import Add, Ablate, Rotate, Scale, Swap, Zero, capture_generation, run_with_cache
 
     kind = i % 6
     prompt = PROMPTS[i % len(PROMPTS)]
@@ -37,8 +37,11 @@ def request(model, i: int):
         return completion, _plain(cache)
     vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(i))
     if kind == 2:
+        direction = torch.randn(model.d_model, generator=torch.Generator().manual_seed(i + 1))
         return None, _plain(run_with_cache(model, one, ["resid_post.2", "attn_out.1"],
-                                           edits={"resid_post.0": Add(vector, scale=2.0)}))
+                                           edits={"resid_post.0": Add(vector, scale=2.0),
+                                                  "mlp_out.1": [Ablate(vector), Rotate(direction, angle=0.5),
+                                                                Swap(vector, projection=0.5, positions=[0])]}))
     if kind == 3:
         batch = model.to_tokens([prompt, PROMPTS[(i + 3) % len(PROMPTS)]])
         per_row = torch.randn(2, model.d_model, generator=torch.Generator().manual_seed(i))  # batched patching

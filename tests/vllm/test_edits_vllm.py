@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from interp_engine import (Add, Address, AddressError, InputError, Scale, Set, Zero, capture_generation,
-                           parse_address, run_with_cache)
+from interp_engine import (Ablate, Add, Address, AddressError, Cap, InputError, Rotate, Scale, Set, Swap, Zero,
+                           capture_generation, parse_address, run_with_cache)
 
 from ..contract import assert_contract
 from ..oracles import REL, REL_SAME, assert_near
@@ -51,6 +51,11 @@ def _edits(model, site):
         "set": Set(torch.randn(block, generator=g), positions=[2]),
         "zero": Zero(heads=[1]) if per_head else Zero(positions=-2),
         "norm": Add(torch.randn(block[-1:], generator=g), scale=2.0, norm_relative=True),
+        # directional edits: a direction per head on the per-head sites, one [d] vector elsewhere
+        "ablate": Ablate(torch.randn(block, generator=g)),
+        "cap": Cap(torch.randn(block[-1:], generator=g), max=1e-3, min=-1e-3, positions=[0, 1, -1]),
+        "swap": Swap(torch.randn(block[-1:], generator=g), projection=3.0, positions=[1, -1]),
+        "rotate": Rotate(torch.randn(block[-1:], generator=g), angle=0.5, heads=[0, 1] if per_head else None),
     }
 
 
@@ -82,8 +87,11 @@ def test_greedy_generation_with_a_steering_vector_equals_eager(models):
     for point in ("logits", "z.2"):
         assert_near(got_cache[point], want_cache[point], f"steered generation {point}", REL)
     # edits of the generated positions only, and of a per-head site during decoding
+    head = torch.randn(eager.info.d_head, generator=torch.Generator().manual_seed(1))
     for edits in ({f"resid_post.{LAYER}": Add(vector, scale=20.0, positions="generated")},
-                  {f"z.{LAYER}": Zero(heads=[0, 3]), "v.0": Scale(3.0, positions=[0, -1])}):
+                  {f"z.{LAYER}": Zero(heads=[0, 3]), "v.0": Scale(3.0, positions=[0, -1])},
+                  {f"resid_post.{LAYER}": [Rotate(vector, angle=1.2), Cap(vector, min=-0.5, max=0.5)],
+                   "z.0": Ablate(head, heads=[1]), "k.2": Swap(head, projection=4.0, positions="generated")}):
         want, want_cache = capture_generation(eager, tokens, ["logits"], max_tokens=6, edits=edits)
         got, got_cache = capture_generation(vllm_model, tokens, ["logits"], max_tokens=6, edits=edits)
         assert got.token_ids == want.token_ids

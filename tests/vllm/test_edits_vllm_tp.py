@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import Add, Scale, Set, Zero, capture_generation, load_model, run_with_cache
+from interp_engine import (Ablate, Add, Cap, InputError, Rotate, Scale, Set, Swap, Zero, capture_generation, load_model,
+                           run_with_cache)
 
 from .. import tiny
 from ..oracles import REL, assert_near
@@ -44,6 +45,11 @@ def _cases(d_head: int, d_mlp: int, d_model: int):
         {"k.0": Scale(2.0, heads=[0]), "v.1": Add(torch.randn(d_head, generator=g), positions=-1)},
         {"mlp_post.1": Add(torch.randn(d_mlp, generator=g), scale=2.0)},      # columns cut per rank
         {"resid_post.0": Add(torch.randn(d_model, generator=g), scale=4.0), "resid_mid.2": Scale(0.5)},
+        # directional edits: a direction per head cut per rank, on chosen heads; a replicated kv head
+        {"z.0": Rotate(torch.randn(2, d_head, generator=g), angle=0.7, heads=[0, 3]),
+         "z.2": Ablate(torch.randn(4, d_head, generator=g)),
+         "k.1": Cap(torch.randn(d_head, generator=g), max=1e-3, min=-1e-3),
+         "resid_mid.1": Swap(torch.randn(d_model, generator=g), projection=2.0, positions=[1])},
     ]
 
 
@@ -74,3 +80,12 @@ def test_tp2_steered_generation_equals_tp1(tp2, tp1):
     assert_near(two_cache["logits"], one_cache["logits"], "TP=2 steered generation", REL)
     for rank in engine_state(tp2):
         assert rank["pending"] == [] and rank["hooks"] == 0 and rank["edited"] == []
+
+
+def test_tp2_refuses_a_directional_edit_of_split_columns(tp2):
+    """mlp_post's columns are split over ranks, so no rank can form a projection on a direction
+    of all of them: refused up front with the fix, and the engine keeps serving."""
+    tokens = tp2.to_tokens("split columns")
+    with pytest.raises(InputError, match="tensor parallelism splits over ranks"):
+        run_with_cache(tp2, tokens, ["logits"], edits={"mlp_post.1": Ablate(torch.ones(tp2.d_mlp))})
+    assert run_with_cache(tp2, tokens, ["logits"])["logits"].isfinite().all()

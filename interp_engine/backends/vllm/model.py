@@ -34,6 +34,7 @@ from interp_engine.address import Address, FeatureAddress
 from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
+from interp_engine.edit_directions import DIRECTIONAL
 from interp_engine.model import CaptureModel, Completion, Sampling
 from interp_engine.positions import Selection, held_positions
 from interp_engine.request import Request
@@ -167,6 +168,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             )
         tokens, addresses, options = request.tokens, list(request.points), request.options
         positions, edits, features = request.positions, request.edits, request.features
+        if edits and self.tensor_parallel_size > 1:
+            self._check_sharded_edits(edits)
         wire = sorted({str(self._read_as(a)) for a in addresses})
         sites = features.sites() if features is not None else []
         layers = self._depth(addresses + sites, edits) if options is None and self.shortens else None
@@ -177,6 +180,16 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             self._features_for_worker(features) if features is not None else None)
         job = Job(tokens[0].tolist(), _sampling_params(options), request, layers)
         return self._loop.submit(job)
+
+    def _check_sharded_edits(self, edits) -> None:
+        """Under tensor parallelism a column-sharded site (``mlp_post``) is split over ranks, so a
+        directional edit's projection, a sum over every column, cannot be formed on one rank."""
+        for address, chain in edits.items():
+            if self.sites[address.name].shard == "cols" and any(isinstance(p.edit, DIRECTIONAL) for p in chain):
+                raise InputError(f"edit on {address}: a directional edit projects on a direction across all of "
+                                 f"{address.name}'s columns, which tensor parallelism splits over ranks; edit a "
+                                 f"replicated site (resid_*, attn_out, mlp_out) or z / q / k / v, or load the model "
+                                 f"with tensor_parallel_size=1")
 
     def _features_for_worker(self, plan) -> list[dict]:
         """The request's dictionary work as the workers take it; each dictionary is sent to every

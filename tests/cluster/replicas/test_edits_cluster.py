@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import Add, AddressError, InputError, Scale, Set, Zero, capture_generation, run_with_cache
+from interp_engine import (Ablate, Add, AddressError, Cap, InputError, Rotate, Scale, Set, Swap, Zero, capture_generation,
+                           run_with_cache)
 
 from ...contract import assert_contract
 from ...oracles import REL, assert_near
@@ -28,6 +29,10 @@ def _edits(model):
         "z.0": Zero(heads=[2]),
         "mlp_post.2": Scale(0.5, positions=slice(1, None)),
         "attn_out.0": Set(torch.randn(model.d_model, generator=g), positions=-2),
+        "mlp_out.1": [Ablate(torch.randn(model.d_model, generator=g)),  # directional edits, in order
+                      Rotate(torch.randn(model.d_model, generator=g), angle=0.8),
+                      Cap(torch.randn(model.d_model, generator=g), max=1e-3, min=-1e-3, positions=[0, -1]),
+                      Swap(torch.randn(model.d_model, generator=g), projection=0.5, positions=[0])],
     }
 
 

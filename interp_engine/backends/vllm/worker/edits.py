@@ -28,6 +28,8 @@ import dataclasses
 import torch
 
 from interp_engine.address import Address, parse_address
+from interp_engine.errors import InternalError
+from interp_engine.edit_directions import DIRECTIONAL
 from interp_engine.edits import Add, Set, apply_edit
 from interp_engine.wire import edit_from_worker
 
@@ -206,19 +208,25 @@ def _localize(edit, address: Address, shard: str, info: dict, rank: int, tp: int
         cut = lambda t: t if t.dim() < 2 or t.shape[-2] == 1 else t[..., lo:hi, :]  # noqa: E731
     changes = {}
     heads = getattr(edit, "heads", None)
+    field = _TENSOR_FIELD.get(type(edit))
     if heads is not None and shard != "cols":
         changes["heads"] = tuple(h - lo for h in heads if lo <= h < hi) or _NO_HEADS
-        if isinstance(edit, (Add, Set)):
-            field = "vector" if isinstance(edit, Add) else "value"
+        if field is not None:
             changes[field] = getattr(edit, field)  # already the size of the edited heads
             if getattr(edit, field).dim() >= 2 and getattr(edit, field).shape[-2] == len(heads) > 1:
                 keep = [i for i, h in enumerate(heads) if lo <= h < hi]
                 changes[field] = getattr(edit, field)[..., keep, :] if keep else getattr(edit, field)[..., :0, :]
-    elif isinstance(edit, Add):
-        changes["vector"] = cut(edit.vector)
-    elif isinstance(edit, Set):
-        changes["value"] = cut(edit.value)
+    elif isinstance(edit, DIRECTIONAL) and shard == "cols":
+        # the projection on a direction sums over every column, and each rank holds only its own
+        raise InternalError(f"[Internal] a directional edit on a column-sharded site reached rank {rank}: the "
+                            f"model refuses it under tensor parallelism")
+    elif field is not None:
+        changes[field] = cut(getattr(edit, field))
     return dataclasses.replace(edit, **changes) if changes else edit
+
+
+#: the field of each edit kind that holds a tensor cut with a sharded site
+_TENSOR_FIELD = {Add: "vector", Set: "value", **{cls: "direction" for cls in DIRECTIONAL}}
 
 
 #: an edit restricted to no head of this rank (its heads live on other ranks)

@@ -111,7 +111,8 @@ class ReplicaCore:
                                                               edits=edits_from_replica(edits), saes=self._saes(saes),
                                                               **options)
         generated = GenerationReply(completion.text, list(completion.token_ids), completion.finish_reason,
-                              pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache))
+                                    pack_dict(cache.to_dict()), cache.tokens.numpy(), _held(cache),
+                                    completion.scores())
         self.bytes_returned += generated.nbytes
         return generated
 

@@ -12,17 +12,55 @@ import difflib
 import math
 from typing import Any
 
+import torch
+
 from .errors import InputError, shown
 from .scalars import integer, real
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """What ``capture_generation`` generated for one prompt."""
+    """What ``capture_generation`` generated for one prompt.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the model: ``log_softmax`` of
+    the logits that chose it, before temperature, top-k and top-p (the model's own distribution,
+    vLLM's ``raw_logprobs``). With ``top_logprobs=k``, ``top_logprobs[i]`` holds step ``i``'s ``k``
+    most likely tokens as ``{token id: logprob}``, most likely first."""
 
     text: str
     token_ids: list[int]
     finish_reason: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    def scores(self) -> dict:
+        """``logprobs`` and ``top_logprobs`` as JSON data (each step's top tokens as ``[[id,
+        logprob], ...]`` in order), as they cross to a cluster replica or over HTTP."""
+        top = None if self.top_logprobs is None else [[[t, p] for t, p in step.items()] for step in self.top_logprobs]
+        return {"logprobs": self.logprobs, "top_logprobs": top}
+
+    @classmethod
+    def of(cls, text: str, token_ids, finish_reason: str, scores: dict | None = None) -> "Completion":
+        """The completion a reply describes (``scores``: what :meth:`scores` wrote, or None)."""
+        scores = scores or {}
+        top = scores.get("top_logprobs")
+        return cls(text, [int(t) for t in token_ids], finish_reason,
+                   None if scores.get("logprobs") is None else [float(p) for p in scores["logprobs"]],
+                   None if top is None else [{int(t): float(p) for t, p in step} for step in top])
+
+
+def step_scores(logits: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float] | None]:
+    """The log-probability of ``token`` under a ``[vocab]`` logit vector and, when ``top`` > 0,
+    the ``top`` most likely tokens ``{id: logprob}`` (most likely first)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if not top:
+        return float(logprobs[token]), None
+    values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+    return float(logprobs[token]), dict(zip(ids.tolist(), values.tolist()))
+
+
+#: the most alternatives per step ``top_logprobs`` may ask for (vLLM's default ``max_logprobs``)
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +73,8 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop_at_eos: bool = True
+    #: how many of each step's most likely tokens ``Completion.top_logprobs`` holds (0: none)
+    top_logprobs: int = 0
 
     def __post_init__(self):
         # Each check names the option, the value and the valid range; values are normalised to
@@ -47,6 +87,9 @@ class Sampling:
         self._set("top_k", _integer(self.top_k, "top_k", "an int >= 0 (0 means no top-k)", low=0))
         if self.seed is not None:
             self._set("seed", _integer(self.seed, "seed", "None or an int in [0, 2**63)", low=0, high=2**63 - 1))
+        self._set("top_logprobs", _integer(self.top_logprobs, "top_logprobs",
+                                           f"an int in [0, {MAX_TOP_LOGPROBS}] (0: only the sampled token's "
+                                           f"logprob)", low=0, high=MAX_TOP_LOGPROBS))
         if not isinstance(self.stop_at_eos, bool):
             raise InputError(f"stop_at_eos must be True or False, got {shown(self.stop_at_eos)}")
 

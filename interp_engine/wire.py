@@ -410,6 +410,8 @@ class GenerationReply:
     tensors: dict[str, Packed]
     tokens: np.ndarray
     positions: np.ndarray | None = None
+    #: the completion's logprobs as JSON data (``Completion.scores()``), or None
+    scores: dict | None = None
 
     @property
     def nbytes(self) -> int:

@@ -219,7 +219,7 @@ class ClusterModel(FetchedUnembedding, CaptureModel):
             return Cache(unpack_dict(reply.tensors), r.tokens, None, self.name, self.backend, _held(reply))
         import torch
 
-        completion = Completion(reply.text, list(reply.token_ids), reply.finish_reason)
+        completion = Completion.of(reply.text, reply.token_ids, reply.finish_reason, reply.scores)
         fed = torch.from_numpy(reply.tokens.copy())
         return completion, Cache(unpack_dict(reply.tensors), fed, None, self.name, self.backend, _held(reply))
 

@@ -119,7 +119,7 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
     def _completion(self, reply):
         import torch
 
-        completion = Completion(reply.text, list(reply.token_ids), reply.finish_reason)
+        completion = Completion.of(reply.text, reply.token_ids, reply.finish_reason, reply.scores)
         return completion, self._cache(reply, torch.from_numpy(np.array(reply.tokens, dtype=np.int64)))
 
     def close(self) -> None:

@@ -104,6 +104,7 @@ class GenerateRequest(CaptureRequest):
     top_k: int = 0
     seed: int | None = None
     stop_at_eos: bool = True
+    top_logprobs: int = 0
 
 
 class TokenizeRequest(BaseModel):
@@ -219,7 +220,8 @@ async def capture(body: CaptureRequest, request: Request) -> Response:
 async def generate(body: GenerateRequest, request: Request) -> Response:
     """``capture_generation`` of one prompt; the activations and the completion (in the file's metadata)."""
     owner = replica()
-    options = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_at_eos")}
+    options = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_at_eos",
+                                             "top_logprobs")}
     try:
         tokens, points, positions, edits = _parsed(owner, body)
         saes, widths = _dictionaries(owner, body, int(request.headers["content-length"]))

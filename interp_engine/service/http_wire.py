@@ -15,7 +15,8 @@ entries only, compressed rows: ``"<point>/offsets"`` (int64, one more than the r
 header's ``__metadata__`` holds ``format`` (:data:`FORMAT`), ``points`` (a JSON list of the
 addresses in request order), ``sparse`` when there are such points (a JSON object: point ->
 ``{"shape": [batch, pos], "width": d_sae}``) and, for a generation, ``completion``: a JSON object
-``{"text", "token_ids", "finish_reason"}``.
+``{"text", "token_ids", "finish_reason", "scores"}`` (``scores``: ``{"logprobs": [...],
+"top_logprobs": [[[id, logprob], ...], ...] or null}``).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def encode_capture(result: CaptureReply | GenerationReply, points: list[str] | N
         metadata["sparse"] = json.dumps(sparse)
     if isinstance(result, GenerationReply):
         metadata["completion"] = json.dumps({"text": result.text, "token_ids": list(result.token_ids),
-                                             "finish_reason": result.finish_reason})
+                                             "finish_reason": result.finish_reason, "scores": result.scores})
     return save(tensors, metadata)
 
 
@@ -192,7 +193,8 @@ def decode_capture(body: bytes) -> CaptureReply | GenerationReply:
     positions = loaded["positions"].numpy() if "positions" in loaded else None
     if "completion" in metadata:
         done = json.loads(metadata["completion"])
-        return GenerationReply(done["text"], list(done["token_ids"]), done["finish_reason"], tensors, tokens, positions)
+        return GenerationReply(done["text"], list(done["token_ids"]), done["finish_reason"], tensors, tokens, positions,
+                               done.get("scores"))
     return CaptureReply(tensors, tokens, positions)
 
 

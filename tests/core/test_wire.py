@@ -137,3 +137,23 @@ def test_an_http_capture_carries_features_as_their_active_entries():
     assert torch.equal(got[parse_address("resid_post.3")], resid) and np.array_equal(back.tokens, tokens)
     nnz = int((features != 0).sum())
     assert len(body) < features.numel() * 4 / 10 and len(body) < resid.numel() * 4 + nnz * 8 + 4096
+
+
+def test_a_completions_logprobs_cross_the_wire_and_http_exactly():
+    """Logprobs (and each step's top tokens, in order) come back from a replica's reply and from
+    the service's safetensors metadata as the same floats and ids."""
+    import numpy as np
+
+    from interp_engine import Completion
+    from interp_engine.service.http_wire import decode_capture, encode_capture
+    from interp_engine.wire import GenerationReply
+
+    sent = Completion(" hi", [5, 9], "length", [-0.1234567891234, -2.5],
+                      [{5: -0.1234567891234, 7: -3.0}, {11: -1.0, 9: -2.5}])
+    reply = GenerationReply(sent.text, sent.token_ids, sent.finish_reason, {}, np.zeros((1, 3), dtype=np.int64),
+                            None, sent.scores())
+    back = decode_capture(encode_capture(reply, []))
+    for got in (Completion.of(reply.text, reply.token_ids, reply.finish_reason, reply.scores),
+                Completion.of(back.text, back.token_ids, back.finish_reason, back.scores)):
+        assert got == sent and [list(step) for step in got.top_logprobs] == [[5, 7], [11, 9]]
+    assert Completion.of("", [], "", None).logprobs is None

@@ -70,3 +70,31 @@ def test_captured_tensors_can_train_a_probe(model):
 def test_sampling(model, check):
     """What temperature, top-k, top-p and seed mean (tests/sampling_checks.py)."""
     check(model)
+
+
+def _logprobs_of(cache, prompt: int, completion, top: int):
+    """The oracle: log_softmax of the captured logits at each position that chose a token."""
+    steps = torch.log_softmax(cache["logits"][0, prompt - 1:].double(), dim=-1)
+    sampled = [float(steps[i, t]) for i, t in enumerate(completion.token_ids)]
+    values, ids = torch.topk(steps, top, dim=-1)
+    return sampled, [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 1.5, "top_k": 5, "seed": 2}])
+def test_logprobs_are_log_softmax_of_the_captured_logits(model, options):
+    """Each generated token's logprob, and each step's top 4, equal log_softmax of the logits that
+    chose it (the model's own distribution: temperature and top-k do not change them)."""
+    tokens = model.to_tokens("Once upon")
+    completion, cache = capture_generation(model, tokens, ["logits"], max_tokens=6, top_logprobs=4, **options)
+    sampled, top = _logprobs_of(cache, tokens.shape[1], completion, 4)
+    assert len(completion.logprobs) == len(completion.token_ids) == len(completion.top_logprobs) == 6
+    torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), torch.tensor(sampled, dtype=torch.float64),
+                               atol=1e-5, rtol=1e-5)
+    for step, (got, want) in enumerate(zip(completion.top_logprobs, top)):
+        assert list(got) == list(want), f"step {step}: top tokens {list(got)} != {list(want)}"
+        torch.testing.assert_close(torch.tensor(list(got.values()), dtype=torch.float64),
+                                   torch.tensor(list(want.values()), dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    if not options:  # greedy: the sampled token is the most likely one
+        assert [next(iter(step)) for step in completion.top_logprobs] == completion.token_ids
+    plain, _ = capture_generation(model, tokens, ["logits"], max_tokens=6, **options)
+    assert plain.top_logprobs is None and plain.logprobs == pytest.approx(completion.logprobs, abs=1e-6)

@@ -211,3 +211,20 @@ def test_edits_reach_the_worker_as_tensors(models, monkeypatch):
     with pytest.raises(RuntimeError, match=r"\[Internal\].*as list, not a tensor"):
         edit_from_worker({**seen[0], "vector": seen[0]["vector"].tolist()} if "vector" in seen[0]
                   else {**seen[0], "value": seen[0]["value"].tolist()})
+
+
+def test_logprobs_equal_the_captured_logits_and_eager(models):
+    """A steered generation's logprobs (each sampled token's, and the top 3 per step) equal
+    log_softmax of the logits vLLM's own capture holds at each step, and eager's logprobs."""
+    vllm_model, eager = models
+    tokens = eager.to_tokens(PROMPT)
+    steer = {f"resid_post.{LAYER}": Ablate(torch.randn(eager.d_model, generator=torch.Generator().manual_seed(5)))}
+    got, cache = capture_generation(vllm_model, tokens, ["logits"], max_tokens=6, top_logprobs=3, edits=steer)
+    want, _ = capture_generation(eager, tokens, ["logits"], max_tokens=6, top_logprobs=3, edits=steer)
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(got.top_logprobs) == 6
+    steps = torch.log_softmax(cache["logits"][0, tokens.shape[1] - 1:].double(), dim=-1)
+    assert got.logprobs == pytest.approx([float(steps[i, t]) for i, t in enumerate(got.token_ids)], abs=1e-4)
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    for step, (a, b) in enumerate(zip(got.top_logprobs, want.top_logprobs)):
+        assert list(a) == list(b) == steps[step].topk(3).indices.tolist(), f"step {step}"
+        assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)

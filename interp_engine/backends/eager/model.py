@@ -21,6 +21,7 @@ from interp_engine.capabilities import Capabilities
 from interp_engine.dtypes import dtype_name
 from interp_engine.errors import InputError
 from interp_engine.features.run import FeatureRun, Placed
+from interp_engine.generation import step_scores
 from interp_engine.model import CaptureModel, Completion
 from interp_engine.positions import held_positions
 from interp_engine.request import Request
@@ -179,6 +180,8 @@ class EagerModel(CaptureModel):
         positions, edits = request.positions, request.edits
         generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         generated: list[int] = []
+        logprobs: list[float] = []
+        tops: list = []
         finish = "length"
         past = DynamicCache(config=self.hf.config)
         step_ids = tokens.to(self.device)
@@ -194,13 +197,17 @@ class EagerModel(CaptureModel):
                     past = out.past_key_values
                     recorder.keep(Address("logits"), out.logits)
                     next_id = sample_next(out.logits[0, -1], options, generator)
+                    logprob, top = step_scores(out.logits[0, -1], next_id, options.top_logprobs)
+                    logprobs.append(logprob)
+                    tops.append(top)
                     generated.append(next_id)
                     if options.stop_at_eos and next_id == self.tok.eos_token_id:
                         finish = "stop"
                         break
                     step_ids = torch.tensor([[next_id]], device=self.device)
         fed = fed_tokens(tokens, generated)
-        completion = Completion(self.tok.decode(generated), generated, finish)
+        completion = Completion(self.tok.decode(generated), generated, finish, logprobs,
+                                tops if options.top_logprobs else None)
         held = None if positions is None else held_positions(positions, [tokens.shape[1]], [fed.shape[1]])
         return completion, Cache(recorder.result(), fed, None, self.name, self.backend, held)
 

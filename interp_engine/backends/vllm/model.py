@@ -60,7 +60,20 @@ def _sampling_params(options: Sampling | None):
         top_k=options.top_k,
         seed=options.seed,
         ignore_eos=not options.stop_at_eos,
+        logprobs=options.top_logprobs,  # 0: the sampled token's own (raw: before temperature)
     )
+
+
+def _scores(steps, generated: list[int], top: int) -> tuple[list[float], list[dict[int, float]] | None]:
+    """The sampled tokens' logprobs and each step's ``top`` most likely tokens (by vLLM's rank),
+    from vLLM's per-step ``{token id: Logprob}`` (the sampled token is always among them)."""
+    steps = [steps[i] for i in range(len(generated))]
+    logprobs = [float(step[token].logprob) for step, token in zip(steps, generated)]
+    if not top:
+        return logprobs, None
+    tops = [{t: float(p.logprob) for t, p in sorted(step.items(), key=lambda item: item[1].rank)
+             if p.rank is not None and p.rank <= top} for step in steps]
+    return logprobs, tops
 
 
 class VllmModel(FetchedUnembedding, CaptureModel):
@@ -226,7 +239,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
     def _result(self, finished: Finished, r: Request):
         if r.options is None:
             return self._cache(finished, r.tokens, self._outputs(r), r.positions, r.tokens.shape[1])
-        return self._completion(finished, r.tokens, self._outputs(r), r.positions)
+        return self._completion(finished, r.tokens, self._outputs(r), r.positions, r.options.top_logprobs)
 
     @staticmethod
     def _outputs(r: Request) -> list:
@@ -255,10 +268,11 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self._finalizer()
 
     # -- putting ranks together -----------------------------------------------------------------
-    def _completion(self, finished: Finished, tokens, addresses, positions: Selection | None):
+    def _completion(self, finished: Finished, tokens, addresses, positions: Selection | None, top: int):
         out = finished.output.outputs[0]
         generated = list(out.token_ids)
-        completion = Completion(self.tok.decode(generated), generated, out.finish_reason or "")
+        completion = Completion(self.tok.decode(generated), generated, out.finish_reason or "",
+                                *_scores(out.logprobs, generated, top))
         fed = fed_tokens(tokens, generated)
         return completion, self._cache(finished, fed, addresses, positions, tokens.shape[1])
 

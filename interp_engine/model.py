@@ -129,6 +129,14 @@ class CaptureModel:
         """Token ids back to text: ``[pos]`` / ``[1, pos]`` / a list of ids -> ``str``; a batch -> ``list[str]``."""
         return self.tok.to_string(tokens)
 
+    def chat_tokens(self, messages, *, add_generation_prompt: bool = False):
+        """``messages`` (``[{"role": ..., "content": ...}]``) through the model's own chat template:
+        a :class:`~interp_engine.chat.ChatTokens` ``(tokens [1, pos], spans, text)``, ``spans[i]``
+        the ``(start, end)`` positions of message ``i``'s content (see :mod:`.chat`)."""
+        from .chat import chat_tokens
+
+        return chat_tokens(self.tok.hf, messages, add_generation_prompt=add_generation_prompt)
+
     def points(self, site: str | None = None) -> list[Address]:
         """Every address this model serves on this backend, in forward order (layer by layer,
         sites in the order of the site table, ``logits`` last); ``site`` keeps one site's."""

@@ -104,7 +104,9 @@ def test_options_addresses_and_layers_take_numbers_in_any_form():
     ({"kind": "set", "positions": None}, "'set' edit without 'value': it needs the value it writes"),
     ({"kind": "add", "positions": None, "scale": 1.0}, "'add' edit without 'vector': it needs the vector it adds"),
     ({"kind": "scale", "positions": None}, "'scale' edit without 'factor': it needs the number"),
-    ({"kind": "sett", "positions": None}, "an edit's kind must be one of 'add', 'scale', 'set', 'zero', got 'sett'"),
+    ({"kind": "cap", "positions": None, "max": 1.0}, "'cap' edit without 'direction': it needs the direction"),
+    ({"kind": "sett", "positions": None},
+     "an edit's kind must be one of 'add', 'scale', 'set', 'zero', 'ablate', 'cap', 'swap', 'rotate', got 'sett'"),
     ({"positions": None}, "an edit's kind must be one of"),
 ])
 def test_an_edit_decoded_from_data_without_its_value_is_refused_by_name(data, words):

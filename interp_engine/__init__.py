@@ -42,6 +42,7 @@ from .lens import logit_lens as logit_lens
 from .loading import load_model as load_model
 from .model import CaptureModel as CaptureModel
 from .model import Completion as Completion
+from .generation import Step as Step
 from .chat import ChatTokens as ChatTokens
 from .model import capture_generation as capture_generation
 from .model import run_with_cache as run_with_cache

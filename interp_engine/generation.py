@@ -49,6 +49,22 @@ class Completion:
                    None if top is None else [{int(t): float(p) for t, p in step} for step in top])
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One token of a streamed generation (``model.stream``), as it is chosen: its index, id,
+    text, logprob (and top tokens with ``top_logprobs=k``), and the captures of the forward that
+    chose it, ``{address: tensor}``: step 0's cover the prompt, step ``i``'s the one position fed
+    at step ``i`` (token ``i - 1``); concatenated along positions they are ``capture_generation``'s
+    cache (a pattern's key axis grows by one each step)."""
+
+    index: int
+    token_id: int
+    text: str
+    logprob: float
+    top_logprobs: dict[int, float] | None
+    captures: dict
+
+
 def step_scores(logits: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float] | None]:
     """The log-probability of ``token`` under a ``[vocab]`` logit vector and, when ``top`` > 0,
     the ``top`` most likely tokens ``{id: logprob}`` (most likely first)."""

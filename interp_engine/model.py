@@ -269,6 +269,22 @@ class CaptureModel:
                                                                     options=options, call="capture_generation_async",
                                                                     saes=saes)))
 
+    async def stream(self, tokens, points, *, max_tokens: int = 16, edits=None, **sampling):
+        """Generate from one prompt token by token: ``async for step in model.stream(tokens,
+        points, ...)`` yields a :class:`~interp_engine.generation.Step` per token as it is chosen,
+        with the captures of the forward that chose it (the options of ``capture_generation``;
+        every position is captured). Closing the iterator early (``aclose()``, a cancelled task)
+        ends the generation at its next step."""
+        options = Sampling.from_options({"max_tokens": max_tokens, **sampling})
+        request = self.request(tokens, points, edits=edits, options=options, single=True, call="model.stream(...)")
+        async for step in self._stream(request):
+            yield step
+
+    async def _stream(self, request):
+        raise InputError(f"model.stream(...) runs on the eager backend so far; on the {self.capabilities.name} backend "
+                         f"`await model.capture_generation_async(...)` returns the whole generation at once")
+        yield  # an async generator, like the backends' own
+
     async def capture(self, tokens, points, *, positions=None, edits=None, saes=None,
                       **sampling) -> dict[Address, torch.Tensor]:
         """Async capture of one prompt: a plain dict keyed by Address (a string is a KeyError).

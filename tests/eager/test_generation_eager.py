@@ -98,3 +98,37 @@ def test_logprobs_are_log_softmax_of_the_captured_logits(model, options):
         assert [next(iter(step)) for step in completion.top_logprobs] == completion.token_ids
     plain, _ = capture_generation(model, tokens, ["logits"], max_tokens=6, **options)
     assert plain.top_logprobs is None and plain.logprobs == pytest.approx(completion.logprobs, abs=1e-6)
+
+
+def test_stream_yields_the_tokens_and_captures_of_capture_generation(model):
+    """Each streamed step is the token capture_generation chooses (same logprobs), with the
+    captures of the forward that chose it: concatenated, they are capture_generation's cache."""
+    from interp_engine.address import parse_address
+
+    tokens = model.to_tokens("Once upon")
+    points = ["resid_post.1", "z.2", "logits"]
+    completion, cache = capture_generation(model, tokens, points, max_tokens=5, top_logprobs=2)
+
+    async def collect():
+        return [step async for step in model.stream(tokens, points, max_tokens=5, top_logprobs=2)]
+
+    steps = asyncio.run(collect())
+    assert [s.token_id for s in steps] == completion.token_ids and [s.index for s in steps] == list(range(5))
+    assert [s.logprob for s in steps] == completion.logprobs
+    assert [s.top_logprobs for s in steps] == completion.top_logprobs
+    assert "".join(s.text for s in steps) == completion.text
+    assert steps[0].captures[parse_address("z.2")].shape[1] == tokens.shape[1]  # the prompt's forward
+    assert steps[1].captures[parse_address("z.2")].shape[1] == 1                # then one position a step
+    for point in points:
+        streamed = torch.cat([s.captures[parse_address(point)] for s in steps], dim=1)
+        assert torch.equal(streamed[:, :cache[point].shape[1]], cache[point]), point
+
+    async def two_then_close():
+        stream = model.stream(tokens, points, max_tokens=200)
+        got = [await stream.__anext__(), await stream.__anext__()]
+        await stream.aclose()
+        return got
+
+    assert [s.token_id for s in asyncio.run(two_then_close())] == completion.token_ids[:2]
+    again, _ = capture_generation(model, tokens, ["logits"], max_tokens=2)  # the model is free again
+    assert again.token_ids == completion.token_ids[:2]

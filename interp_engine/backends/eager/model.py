@@ -7,6 +7,7 @@ after the last requested layer when the logits are not asked for.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -21,7 +22,7 @@ from interp_engine.capabilities import Capabilities
 from interp_engine.dtypes import dtype_name
 from interp_engine.errors import InputError
 from interp_engine.features.run import FeatureRun, Placed
-from interp_engine.generation import step_scores
+from interp_engine.generation import Step, step_scores
 from interp_engine.model import CaptureModel, Completion
 from interp_engine.positions import held_positions
 from interp_engine.request import Request
@@ -173,7 +174,38 @@ class EagerModel(CaptureModel):
             recorded = {a: zero_padding(t, mask, a) for a, t in recorded.items()}
         return Cache(recorded, tokens, mask, self.name, self.backend)
 
-    def _generate(self, request: Request):
+    async def _stream(self, request: Request):
+        """Each step of ``_generate`` as it is made: the decode loop runs in a thread and hands
+        its steps over a queue; closing the iterator (a ``break``, a cancelled task) ends the loop
+        at the next step."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop, done = threading.Event(), object()
+
+        def on_step(step) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, step)
+            return not stop.is_set()
+
+        def run():
+            try:
+                self._generate(request, on_step)
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+            except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+
+        threading.Thread(target=run, name="interp-engine-stream", daemon=True).start()
+        try:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    def _generate(self, request: Request, on_step=None):
+        """``(completion, cache)`` of a generation; ``on_step(Step)`` (if given) is told each
+        token as it is chosen, with the captures of the forward that chose it, and ends the
+        generation by returning False."""
         from transformers import DynamicCache
 
         tokens, addresses, options = request.tokens, list(request.points), request.options
@@ -201,6 +233,11 @@ class EagerModel(CaptureModel):
                     logprobs.append(logprob)
                     tops.append(top)
                     generated.append(next_id)
+                    if on_step is not None and not on_step(Step(
+                            step, next_id, self.tok.decode([next_id]), logprob, top,
+                            {a: recorder.chunks[a][-1] for a in recorder.addresses if len(recorder.chunks[a]) > step})):
+                        finish = "abort"
+                        break
                     if options.stop_at_eos and next_id == self.tok.eos_token_id:
                         finish = "stop"
                         break

@@ -281,7 +281,7 @@ class CaptureModel:
             yield step
 
     async def _stream(self, request):
-        raise InputError(f"model.stream(...) runs on the eager backend so far; on the {self.capabilities.name} backend "
+        raise InputError(f"model.stream(...) runs on a local eager model so far, and this is a {type(self).__name__}; "
                          f"`await model.capture_generation_async(...)` returns the whole generation at once")
         yield  # an async generator, like the backends' own
 

@@ -228,3 +228,15 @@ def test_logprobs_equal_the_captured_logits_and_eager(models):
     for step, (a, b) in enumerate(zip(got.top_logprobs, want.top_logprobs)):
         assert list(a) == list(b) == steps[step].topk(3).indices.tolist(), f"step {step}"
         assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+
+
+def test_stream_is_refused_with_the_fix(models):
+    """Streaming runs on a local eager model so far: vLLM refuses it naming the call that works."""
+    vllm_model, eager = models
+
+    async def first():
+        async for step in vllm_model.stream(eager.to_tokens(PROMPT), ["logits"], max_tokens=2):
+            return step
+
+    with pytest.raises(InputError, match="capture_generation_async"):
+        asyncio.run(first())

@@ -88,8 +88,8 @@ def test_logprobs_are_log_softmax_of_the_captured_logits(model, options):
     completion, cache = capture_generation(model, tokens, ["logits"], max_tokens=6, top_logprobs=4, **options)
     sampled, top = _logprobs_of(cache, tokens.shape[1], completion, 4)
     assert len(completion.logprobs) == len(completion.token_ids) == len(completion.top_logprobs) == 6
-    torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), torch.tensor(sampled, dtype=torch.float64),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64),
+                               torch.tensor(sampled, dtype=torch.float64), atol=1e-5, rtol=1e-5)
     for step, (got, want) in enumerate(zip(completion.top_logprobs, top)):
         assert list(got) == list(want), f"step {step}: top tokens {list(got)} != {list(want)}"
         torch.testing.assert_close(torch.tensor(list(got.values()), dtype=torch.float64),

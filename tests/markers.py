@@ -15,7 +15,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "test_vllm_compat", "test_vllm_hooks", "test_vllm_memory", "test_vllm_parity", "test_vllm_rows",
         "test_vllm_seed", "test_vllm_serving", "test_vllm_tp", "test_edits_vllm", "test_edits_vllm_tp",
         "test_moe_vllm", "test_moe_vllm_tp", "test_positions_vllm", "test_streams_vllm", "test_load", "test_facts",
-        "test_family_gpt_vllm", "test_tl_vllm", "test_vllm_limits", "test_features_vllm", "test_family_vllm")},
+        "test_family_gpt_vllm", "test_tl_vllm", "test_vllm_limits", "test_features_vllm", "test_family_vllm",
+        "test_prefix_vllm")},
     # a Ray cluster (local, token auth)
     **{m: ("ray",) for m in (
         "test_cluster", "test_cluster_configs", "test_features_cluster", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",

@@ -130,6 +130,32 @@ def request_block_ids(runner, request_id: str) -> list[int]:
     return [] if state is None else [block for group in state.block_ids for block in group]
 
 
+def request_blocks(runner, request_id: str) -> list[tuple[int, bool]]:
+    """The KV cache blocks a scheduled request holds now (every KV cache group's, in one list),
+    each with whether it holds a token computed before this forward (a prefix-cache hit, or an
+    earlier step's tokens): ``[(block, computed)]``."""
+    state = runner.requests.get(request_id)
+    if state is None:
+        return []
+    done = int(state.num_computed_tokens)
+    groups = runner.kv_cache_config.kv_cache_groups
+    return [(block, i * groups[g].kv_cache_spec.block_size < done)
+            for g, ids in enumerate(state.block_ids) for i, block in enumerate(ids)]
+
+
+# -- the prefix cache ---------------------------------------------------------------------------
+def wrap_block_hasher(llm, wrap):
+    """Replace the engine core's block hasher (``EngineCore.request_block_hasher``, which every
+    new ``Request`` takes at ``add_request`` to compute ``Request.block_hashes``, the prefix
+    cache's keys) with ``wrap(hasher, hash_block_size)``; returns the wrapper, or None when
+    prefix caching is off (no hasher)."""
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient: the engine core runs here
+    if core.request_block_hasher is None:
+        return None
+    core.request_block_hasher = wrap(core.request_block_hasher, int(core.scheduler.hash_block_size))
+    return core.request_block_hasher
+
+
 # -- weights and geometry -----------------------------------------------------------------------
 def attention_geometry(attn) -> dict:
     """Heads, kv heads and head size as this rank's attention kernel runs them."""

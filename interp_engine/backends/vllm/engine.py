@@ -5,8 +5,9 @@ caller who asks otherwise gets an error that says why:
 
 - ``enforce_eager=True``: with compiled graphs, hooks registered after start-up never fire.
   Cost: no torch.compile / CUDA graphs (slower decode on GPU; on CPU it also skips warm-up).
-- ``enable_prefix_caching=False``: a cached prefix is never recomputed, so its positions would
-  have no activations. Cost: shared prompt prefixes are recomputed.
+- prefix caching is **on** (vLLM's default), usable by capturing requests: a request reads cached
+  blocks only before the first position it captures or edits (:mod:`.prefix`). A user may turn
+  it off (``enable_prefix_caching=False``) and pay for recomputing shared prefixes.
 - ``enable_chunked_prefill=False`` with ``max_num_batched_tokens >= max_model_len``: every prompt
   is prefilled in one forward. Cost: a long prefill stalls the decodes batched with it.
 - no speculative decoding: draft tokens would run positions that are later rejected.
@@ -39,7 +40,6 @@ from interp_engine.errors import EngineMemoryError
 #: engine options the backend fixes, and why a different value would break capture
 FIXED_OPTIONS = {
     "enforce_eager": (True, "compiled graphs skip the capture hooks"),
-    "enable_prefix_caching": (False, "cached prefix positions are never recomputed, so they would have no activations"),
     "enable_chunked_prefill": (False, "each prompt is prefilled in one forward (the row bookkeeping would cope with chunks, but split prefills are untested)"),
     "async_scheduling": (False, "the engine could run a step past a request's end"),
     "speculative_config": (None, "draft tokens run positions that are later rejected"),
@@ -122,6 +122,7 @@ def engine_options(path, dtype: torch.dtype, tensor_parallel_size: int, max_mode
         )
     if tensor_parallel_size > 1:
         options.setdefault("distributed_executor_backend", "mp")
+    options.setdefault("enable_prefix_caching", True)
     return dict(
         model=str(path),
         dtype=dtype,

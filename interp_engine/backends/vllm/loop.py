@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from interp_engine.errors import EngineStopped
 from interp_engine.wire import WorkerRequest
+from .prefix import OwnBlocks, depth_salt
 
 
 #: An idle engine that receives a job keeps admitting for as long as more jobs follow within
@@ -60,6 +61,9 @@ class Job:
     #: how many layers this job needs (a prefill whose deepest point is in layer ``layers - 1``);
     #: None: every layer and the logits
     layers: int | None = None
+    #: the first position this job captures or edits (:func:`.prefix.first_needed`): no cached
+    #: block may hold it or any later one; None: the job may share every cached block
+    first_needed: int | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     internal_id: str = ""
 
@@ -82,8 +86,10 @@ def _resolve(future: concurrent.futures.Future, result=None, error: BaseExceptio
 
 
 class EngineLoop:
-    def __init__(self, engine):
+    def __init__(self, engine, prefix: OwnBlocks | None = None):
         self.engine = engine  # vllm.v1.engine.llm_engine.LLMEngine
+        #: the engine's block hasher (None: prefix caching off), told each job's first needed position
+        self._prefix = prefix
         self._threads = torch.get_num_threads()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
@@ -200,9 +206,16 @@ class EngineLoop:
         if job.future.cancelled():
             return
         external = f"interp{next(self._ids)}"
+        prompt = {"prompt_token_ids": job.prompt}
+        if self._prefix is not None:
+            if job.first_needed is not None:  # read before add_request: vLLM hashes the prompt there
+                self._prefix.rules[external] = job.first_needed
+            if job.layers is not None:
+                prompt["cache_salt"] = depth_salt(job.layers)
         try:
-            job.internal_id = self.engine.add_request(external, {"prompt_token_ids": job.prompt}, job.params)
+            job.internal_id = self.engine.add_request(external, prompt, job.params)
         except Exception as err:  # an input vLLM refuses: fail this job only
+            self._forget(external)
             _resolve(job.future, error=err)
             return
         self._jobs[external] = job
@@ -220,16 +233,23 @@ class EngineLoop:
             self.engine.collective_rpc("interp_release", args=([self._jobs[e].internal_id for e in gone],))
             for external in gone:
                 del self._jobs[external]
+                self._forget(external)
 
     def _finish(self, outputs: list) -> None:
         outputs = [o for o in outputs if o.request_id in self._jobs]
         if not outputs:
             return
         jobs = [self._jobs.pop(o.request_id) for o in outputs]
+        for output in outputs:
+            self._forget(output.request_id)
         taken = [job.internal_id for job in jobs if not job.request.empty]
         ranks = self.engine.collective_rpc("interp_take", args=(taken,)) if taken else []
         for output, job in zip(outputs, jobs):
             _resolve(job.future, Finished(output, [rank.get(job.internal_id, {}) for rank in ranks]))
+
+    def _forget(self, external: str) -> None:
+        if self._prefix is not None:
+            self._prefix.rules.pop(external, None)
 
     def _drain(self, error: BaseException) -> None:
         while True:

@@ -47,6 +47,7 @@ from ..heads import split_heads
 from .engine import engine_options, memory_defaults, quiet_start, start_engine, stop_engine
 from .loop import EngineLoop, Finished, Job, run_on_loop
 from .limits import check_limits
+from .prefix import OwnBlocks, first_needed
 
 def _sampling_params(options: Sampling | None):
     from vllm import SamplingParams
@@ -99,7 +100,9 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self._weights: dict[int, torch.Tensor] = {}
         #: content keys of the dictionaries every worker holds (each is sent once)
         self._dictionaries: set[str] = set()
-        self._loop = EngineLoop(llm.llm_engine)
+        from . import compat as vllm_compat
+
+        self._loop = EngineLoop(llm.llm_engine, vllm_compat.wrap_block_hasher(llm, OwnBlocks))
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, llm)
         try:  # a model this engine cannot serve faithfully is refused, and its engine stopped
             run_on_loop(self._loop, "interp_guard_kv")
@@ -191,7 +194,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             None if positions is None else positions.after[0],
             {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None,
             self._features_for_worker(features) if features is not None else None)
-        job = Job(tokens[0].tolist(), _sampling_params(options), request, layers)
+        job = Job(tokens[0].tolist(), _sampling_params(options), request, layers, first_needed(request))
         return self._loop.submit(job)
 
     def _check_sharded_edits(self, edits) -> None:

@@ -11,9 +11,12 @@ a model that diverges) made every later, shorter request on that block return Na
 until a longer prompt happened to overwrite the stale slots.
 
 The guard, a pre-hook on the whole model that is always installed, zeroes each block the first
-time a request is seen holding it, before that forward writes anything. Every slot a request
-reads is then either one it wrote itself or a zero, whatever earlier requests wrote and
-whether or not they carried edits. It costs one ``index_fill_`` per attention layer on the
+time a request is seen holding it, before that forward writes anything, unless the block already
+holds tokens computed for that request: a prefix-cache hit (:mod:`..prefix`), whose keys and values
+an earlier request with the same tokens wrote and this one reads. Every slot a request
+reads is then one it wrote itself, a zero, or a shared prefix block, whatever earlier requests
+wrote and whether or not they carried edits (an edited request's blocks are never shared:
+:mod:`..prefix`). It costs one ``index_fill_`` per attention layer on the
 forwards that hand out blocks (prefills, and decode steps that cross into a new block).
 vLLM's private structure is reached through :mod:`..compat` only.
 """
@@ -43,10 +46,11 @@ class KvBlockGuard:
         req_ids, _ = vllm_compat.batch_map(self.runner)
         fresh = []
         for rid in req_ids:
-            for block in vllm_compat.request_block_ids(self.runner, rid):
+            for block, computed in vllm_compat.request_blocks(self.runner, rid):
                 if self.holder.get(block) != rid:
                     self.holder[block] = rid
-                    fresh.append(block)
+                    if not computed:  # a prefix-cache hit holds keys and values this request reads
+                        fresh.append(block)
         if not fresh:
             return
         for kv in self.caches:

@@ -29,6 +29,8 @@ PRIVATE = (
     "quant_method", "is_monolithic", "routed_experts", "select_experts", "router",
     "_finalizer", "engine_core", "structured_output_manager", "model_executor", "scheduler",
     "disable_envs_cache", "get_tensor_model_parallel_rank", "_C", "kv_caches", "kv_cache_config", "block_ids",
+    "num_computed_tokens", "kv_cache_groups", "kv_cache_spec", "request_block_hasher", "hash_block_size",
+    "block_hashes",
 )
 
 

@@ -178,8 +178,6 @@ def test_requires_grad_is_refused_before_an_engine_starts(tiny_path):
 
 
 def test_options_that_would_skip_positions_are_refused(tiny_path):
-    with pytest.raises(ValueError, match="prefix"):
-        load_model(str(tiny_path("llama")), backend="vllm", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="compiled graphs"):
         load_model(str(tiny_path("llama")), backend="vllm", compilation_config={"mode": 3})
     with pytest.raises(ValueError, match="replicas"):

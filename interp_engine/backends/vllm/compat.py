@@ -156,6 +156,12 @@ def wrap_block_hasher(llm, wrap):
     return core.request_block_hasher
 
 
+def hashing(request) -> tuple[str, int]:
+    """What a block hasher is called with, read: the engine request's id (vLLM's, with its random
+    suffix) and how many of its blocks are hashed already (the new hashes follow those)."""
+    return request.request_id, len(request.block_hashes)
+
+
 # -- weights and geometry -----------------------------------------------------------------------
 def attention_geometry(attn) -> dict:
     """Heads, kv heads and head size as this rank's attention kernel runs them."""

@@ -21,7 +21,7 @@ edited there. The rule (per request, decided from what it asks for):
 
 A request's rows are keyed by (request, position) from the model's ``positions`` argument, so a
 request whose first forward starts mid-prompt at a cached prefix files its rows at the right
-positions (:mod:`.worker.batch`). The block hashes are vLLM's own (``Request.block_hashes``,
+positions (:mod:`.worker.batch`). The block hashes are vLLM's own (a request's prefix-cache keys,
 computed by the engine core's block hasher); :class:`OwnBlocks` wraps that hasher
 (:func:`.compat.wrap_block_hasher`).
 """
@@ -78,13 +78,16 @@ class OwnBlocks:
         self.rules: dict[str, int] = {}
 
     def __call__(self, request) -> list:
+        from . import compat as vllm_compat
+
         new = self._hasher(request)
-        first = self.rules.get(_external(request.request_id)) if self.rules else None
-        if first is None or not new:
+        if not self.rules or not new:
             return new
-        start = len(request.block_hashes)
-        return [_own(h, request.request_id) if (start + i + 1) * self.block_size > first else h
-                for i, h in enumerate(new)]
+        rid, start = vllm_compat.hashing(request)
+        first = self.rules.get(_external(rid))
+        if first is None:
+            return new
+        return [_own(h, rid) if (start + i + 1) * self.block_size > first else h for i, h in enumerate(new)]
 
 
 def _external(request_id: str) -> str:

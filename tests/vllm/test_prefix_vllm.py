@@ -1,10 +1,12 @@
-"""Prefix caching on the vLLM backend (docs/VLLM.md, "Prefix caching"): a request reads cached
-blocks only before the first position it captures or edits (interp_engine/backends/vllm/prefix.py).
+"""Prefix caching and chunked prefill on the vLLM backend (docs/VLLM.md, "Prefix caching and
+chunked prefill"): a request reads cached blocks only before the first position it captures or
+edits (interp_engine/backends/vllm/prefix.py), and a prompt longer than a step's token budget is
+prefilled over several forwards whose rows join into one capture.
 
 Oracles: the eager backend on the same weights (rel 1e-4), and vLLM's own count of the prompt
 tokens each request took from the prefix cache (``RequestOutput.num_cached_tokens``), which says
 that a request really hit the cache (or really did not). The prompts share a prefix of two full
-KV blocks (``block_size=32``).
+KV blocks (``block_size=32``); a step computes at most ``BUDGET`` tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp_engine import Add, load_model, run_with_cache
+from interp_engine import Add, capture_generation, load_model, run_with_cache
 from interp_engine.backends.vllm.loop import Job, run_on_loop
 from interp_engine.backends.vllm.model import _sampling_params
 
@@ -22,12 +24,14 @@ pytest.importorskip("vllm")
 
 BLOCK = 32
 PREFIX = 2 * BLOCK
+BUDGET = 48
 POINTS = ["resid_pre.0", "attn_out.1", "resid_post.2", "k.1", "logits"]
 
 
 @pytest.fixture(scope="module")
 def models(tiny_path, eager_models):
-    with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=256, block_size=BLOCK) as model:
+    with load_model(str(tiny_path("llama")), backend="vllm", max_model_len=256, block_size=BLOCK,
+                    max_num_batched_tokens=BUDGET, max_num_seqs=8) as model:
         yield model, eager_models("llama")
 
 
@@ -121,3 +125,22 @@ def test_the_kv_guard_leaves_cached_blocks_alone(models):
     assert capture(model, prompt(11, prefix=5), [])[1] == PREFIX
     second = run_on_loop(model._loop, "interp_state")[0]["kv_blocks_zeroed"] - zeroed - first
     assert first == 3 and second == 1  # two prefix blocks and a partial one; then the partial one only
+
+
+def test_prompts_longer_than_a_step_are_captured_whole_across_chunks(models):
+    model, eager = models
+    g = torch.Generator().manual_seed(12)
+    long = [torch.randint(3, 250, (1, n), generator=g) for n in (200, 130, 97)]
+    assert all(t.shape[1] > BUDGET for t in long)
+    for tokens, cache in zip(long, model.run_many(long, POINTS)):  # in flight together: chunks interleave
+        check(cache, eager, tokens, POINTS, f"{tokens.shape[1]} tokens in chunks of {BUDGET}")
+    edits = {"resid_mid.1": Add(torch.randn(model.info.d_model, generator=g), positions=[5, 60, 150])}
+    cache, _ = capture(model, long[0], POINTS, edits=edits)
+    check(cache, eager, long[0], POINTS, "edited across chunks", edits=edits)
+    completion, cache = capture_generation(model, long[1], ["resid_post.1", "logits"], max_tokens=4,
+                                           stop_at_eos=False)
+    want_completion, want = capture_generation(eager, long[1], ["resid_post.1", "logits"], max_tokens=4,
+                                               stop_at_eos=False)
+    assert completion.token_ids == want_completion.token_ids
+    for point in ("resid_post.1", "logits"):
+        assert_near(cache[point], want[point], f"generation after a chunked prefill {point}")

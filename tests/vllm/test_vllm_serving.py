@@ -182,8 +182,6 @@ def test_options_that_would_skip_positions_are_refused(tiny_path):
         load_model(str(tiny_path("llama")), backend="vllm", compilation_config={"mode": 3})
     with pytest.raises(ValueError, match="replicas"):
         load_model(str(tiny_path("llama")), backend="vllm", pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="one\\s+forward"):
-        load_model(str(tiny_path("llama")), backend="vllm", max_model_len=128, max_num_batched_tokens=64)
 
 
 def test_generation_may_fill_max_model_len_but_not_pass_it(model, reference):

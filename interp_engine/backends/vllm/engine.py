@@ -8,8 +8,9 @@ caller who asks otherwise gets an error that says why:
 - prefix caching is **on** (vLLM's default), usable by capturing requests: a request reads cached
   blocks only before the first position it captures or edits (:mod:`.prefix`). A user may turn
   it off (``enable_prefix_caching=False``) and pay for recomputing shared prefixes.
-- ``enable_chunked_prefill=False`` with ``max_num_batched_tokens >= max_model_len``: every prompt
-  is prefilled in one forward. Cost: a long prefill stalls the decodes batched with it.
+- chunked prefill is **on** (vLLM's default, ``max_num_batched_tokens`` vLLM's default too): a
+  prompt longer than a step's token budget is prefilled over several forwards, and each row is
+  filed by its (request, position), so the chunks join into the same capture.
 - no speculative decoding: draft tokens would run positions that are later rejected.
 - ``async_scheduling=False``: the engine never schedules a step past a request's end.
 
@@ -40,7 +41,6 @@ from interp_engine.errors import EngineMemoryError
 #: engine options the backend fixes, and why a different value would break capture
 FIXED_OPTIONS = {
     "enforce_eager": (True, "compiled graphs skip the capture hooks"),
-    "enable_chunked_prefill": (False, "each prompt is prefilled in one forward (the row bookkeeping would cope with chunks, but split prefills are untested)"),
     "async_scheduling": (False, "the engine could run a step past a request's end"),
     "speculative_config": (None, "draft tokens run positions that are later rejected"),
 }
@@ -114,12 +114,6 @@ def engine_options(path, dtype: torch.dtype, tensor_parallel_size: int, max_mode
                 f"from the ranks of one model replica. Use tensor_parallel_size, or several replicas "
                 f"(load_model(..., replicas=N))."
             )
-    batched = options.pop("max_num_batched_tokens", None) or max_model_len
-    if batched < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={batched} < max_model_len={max_model_len}: a prompt must fit in one "
-            f"forward (no chunked prefill). Raise it, or lower max_model_len."
-        )
     if tensor_parallel_size > 1:
         options.setdefault("distributed_executor_backend", "mp")
     options.setdefault("enable_prefix_caching", True)
@@ -128,7 +122,6 @@ def engine_options(path, dtype: torch.dtype, tensor_parallel_size: int, max_mode
         dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
         max_model_len=max_model_len,
-        max_num_batched_tokens=batched,
         worker_extension_cls="interp_engine.backends.vllm.worker.extension.CaptureExtension",
         disable_log_stats=True,
         seed=options.pop("seed", 0),

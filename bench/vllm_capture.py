@@ -1,34 +1,43 @@
-"""vLLM capture overhead, and the vLLM backend against the eager one, on one generation workload.
+"""vLLM capture overhead against vLLM itself, on two workloads.
 
-SmolLM2-135M (the embedded model), 64 prompts of different lengths, 32 new tokens each (greedy,
-EOS ignored so every variant does the same work), ``resid_post`` at every layer at every
-position. All variants run in this one process; the report gives each variant's median time
-over the repetitions and the ratios that matter, measured side by side (each repetition runs
-every vLLM variant once, in a shuffled order; the headline ratio is the median of the
-per-repetition ratios, which is steadier when other work shares the machine). Each is given
-for wall-clock time and for this process's CPU time (all threads; the TP=1 engine runs in this
-process), which is less sensitive to other work on a shared machine:
+SmolLM2-135M (the embedded model), fp32, every engine with a 1 GiB KV cache
+(``VLLM_CPU_KVCACHE_SPACE=1``; vLLM's own CPU default reserves 92 % of RAM). Each repetition runs
+every variant once, in a shuffled order; the report gives each variant's median time and the
+ratios that matter (median of per-repetition ratios; then the ratio of the medians and of the
+fastest repetitions), for wall-clock time and, where the engine runs in this process, this
+process's CPU time.
 
-- ``plain``: vLLM's own ``LLM.generate`` on the very engine the capture uses (so the engine
-  arguments are identical), no points registered, so no hook installed.
-- ``plain_loop``: the same 64 requests, no points, posted through the backend's engine thread
-  (isolates the driver from the hooks).
-- ``capture``: ``await model.capture(tokens, points, max_tokens=32)`` for all 64 prompts at once
-  (``asyncio.gather``), sharing the engine's continuous batching. Target: <= 1.10x ``plain``.
-- ``eager``: the same 64 async captures on the eager backend (one prompt at a time, KV cache).
-  Measured first, before vLLM starts, with the machine's default torch threads (an in-process
-  vLLM CPU worker pins torch to its own thread settings for the rest of the process).
+Workload ``generate``: 64 prompts of 5-16 tokens, 32 new tokens each (greedy, EOS ignored),
+``resid_post`` at every layer at every position:
 
-    .venv/bin/python bench/vllm_capture.py [--reps 5] [--prompts 64] [--new 32] [--eager-reps 1]
+- ``default``: **vLLM with its own defaults**, ``LLM(model)`` in a process of its own (compiled
+  graphs, prefix caching, chunked prefill: what a vLLM user runs), alternated with the others.
+- ``plain``: vLLM's ``LLM.generate`` on the very engine the capture uses, no points registered.
+- ``plain_loop``: the same 64 requests, no points, posted through the backend's engine thread.
+- ``capture``: ``await model.capture(tokens, points, max_tokens=32)`` for all 64 at once.
+- ``eager``: the same 64 async captures on the eager backend (``--eager-reps``, before vLLM starts).
+
+Workload ``prefix``: 64 requests that share a 512-token prefix plus 16 tokens of their own (a
+fresh prefix each repetition, the same on every variant), one new token each:
+
+- ``default``: vLLM with its own defaults, as above.
+- ``plain_loop``: the requests through the backend's engine thread, nothing captured.
+- ``capture``: ``await model.capture(tokens, ["resid_post.0"], positions=-1)`` for all 64 at once.
+
+    .venv/bin/python bench/vllm_capture.py [--workload generate prefix] [--reps 5] [--eager-reps 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -97,52 +106,146 @@ def plain_loop(model, batch, new_tokens):
     assert all(len(f.result().output.outputs[0].token_ids) == new_tokens for f in futures)
 
 
+def prefix_batch(rep: int, n: int = 64, shared: int = 512, own: int = 16) -> list[torch.Tensor]:
+    """``n`` prompts: a ``shared``-token prefix (fresh for each repetition) and ``own`` tokens each."""
+    g = torch.Generator().manual_seed(rep)
+    prefix = torch.randint(1000, 40000, (shared,), generator=g)
+    return [torch.cat([prefix, torch.randint(1000, 40000, (own,), generator=g)])[None] for _ in range(n)]
+
+
+def capture_prefix(model, batch):
+    results = gather([model.capture(t, ["resid_post.0"], positions=-1) for t in batch])
+    assert all(r["resid_post.0"].shape[1] == 1 for r in results)
+
+
+class DefaultVllm:
+    """vLLM with its own defaults (``LLM(model)``) in a process of its own (this script with
+    ``--child``), running a workload when asked: one JSON line in, one ``RESULT`` line out."""
+
+    def __init__(self):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self._read()  # started (and compiled)
+
+    def run(self, batch: list[torch.Tensor], new_tokens: int) -> tuple[float, float]:
+        self.proc.stdin.write(json.dumps({"prompts": [t[0].tolist() for t in batch], "new": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return tuple(self._read())
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise RuntimeError(f"the default-vLLM process ended (exit code {self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def child() -> None:
+    """``--child``: ``LLM(model)`` with vLLM's defaults; times ``generate`` for each request line
+    (wall; its CPU time is mostly in vLLM's engine-core process, so only wall is reported)."""
+    from vllm import LLM, SamplingParams
+
+    from interp_engine import embedded
+
+    llm = LLM(model=str(embedded.ensure()))
+    print("RESULT " + json.dumps({"mode": str(llm.llm_engine.vllm_config.compilation_config.mode)}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        params = SamplingParams(max_tokens=job["new"], temperature=0.0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+        wall = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - wall
+        assert all(len(o.outputs[0].token_ids) == job["new"] for o in outputs)
+        print("RESULT " + json.dumps([wall, float("nan")]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", nargs="+", choices=("generate", "prefix"), default=["generate", "prefix"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--eager-reps", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     eager = load_model(SMOL, backend="eager")
     batch = prompts(eager, args.prompts)
     points = [Address("resid_post", layer) for layer in range(eager.n_layers)]
-    print(f"{SMOL}: {len(batch)} prompts of {min(t.shape[1] for t in batch)}-{max(t.shape[1] for t in batch)} "
-          f"tokens, {args.new} new tokens, resid_post at {len(points)} layers; torch threads {torch.get_num_threads()}")
+    print(f"{SMOL}: generate: {len(batch)} prompts of {min(t.shape[1] for t in batch)}-"
+          f"{max(t.shape[1] for t in batch)} tokens, {args.new} new tokens, resid_post at {len(points)} layers; "
+          f"prefix: {args.prompts} x (512 shared + 16 own) tokens, 1 new token, resid_post.0 at the last position; "
+          f"torch threads {torch.get_num_threads()}")
     times: dict[str, list[tuple[float, float]]] = {"eager": []}
-    for _ in range(args.eager_reps):
+    for _ in range(args.eager_reps if "generate" in args.workload else 0):
         times["eager"].append(timed(lambda: capture_all(eager, batch, points, args.new)))
     del eager
 
-    model = load_model(SMOL, backend="vllm", max_model_len=2048)
+    default = DefaultVllm()
+    model = load_model(SMOL, backend="vllm")
     capture_all(model, batch[:4], points, 4)  # first-call costs out of the way
     plain_generate(model, batch[:4], 4)
-    variants = {
-        "plain": lambda: plain_generate(model, batch, args.new),
-        "plain_loop": lambda: plain_loop(model, batch, args.new),
-        "capture": lambda: capture_all(model, batch, points, args.new),
-    }
+    default.run(batch[:4], 4)
+    capture_prefix(model, prefix_batch(-1, 4))
+    variants = {}
+    if "generate" in args.workload:
+        variants.update({
+            "default": lambda rep: default.run(batch, args.new),
+            "plain": lambda rep: timed(lambda: plain_generate(model, batch, args.new)),
+            "plain_loop": lambda rep: timed(lambda: plain_loop(model, batch, args.new)),
+            "capture": lambda rep: timed(lambda: capture_all(model, batch, points, args.new)),
+        })
+    if "prefix" in args.workload:
+        shared = {rep: prefix_batch(rep, args.prompts) for rep in range(args.reps)}
+        variants.update({
+            "prefix_default": lambda rep: default.run(shared[rep], 1),
+            "prefix_plain_loop": lambda rep: timed(lambda: plain_loop(model, shared[rep], 1)),
+            "prefix_capture": lambda rep: timed(lambda: capture_prefix(model, shared[rep])),
+        })
     for name in variants:
         times[name] = []
     order = list(variants)
-    for _ in range(args.reps):  # every variant once per repetition, in a fresh order
+    for rep in range(args.reps):  # every variant once per repetition, in a fresh order
         random.shuffle(order)
         for name in order:
-            times[name].append(timed(variants[name]))
+            times[name].append(variants[name](rep))
     model.close()
+    default.close()
     report(times)
 
 
+#: (variant, baseline, target) pairs the report gives when both ran
+RATIOS = [
+    ("capture", "default", "<= 1.05 (issue 42)"),
+    ("plain_loop", "default", "<= 1.02 (issue 42)"),
+    ("capture", "plain", "<= 1.05 wall, <= 1.03 cpu (issue 13)"),
+    ("plain_loop", "plain", "<= 1.02 (the driver alone)"),
+    ("capture", "plain_loop", ""),
+    ("prefix_capture", "prefix_default", "<= 1.10 (issue 42)"),
+    ("prefix_plain_loop", "prefix_default", "<= 1.02 (issue 42)"),
+    ("prefix_capture", "prefix_plain_loop", ""),
+]
+
+
 def report(times: dict[str, list[tuple[float, float]]]) -> None:
-    print(f"{'variant':<12}{'wall s':>8}{'cpu s':>8}   all runs, wall/cpu (s)")
+    print(f"{'variant':<18}{'wall s':>8}{'cpu s':>8}   all runs, wall/cpu (s)")
     times = {name: ts for name, ts in times.items() if ts}  # --eager-reps 0 leaves eager out
     for name, ts in times.items():
         runs = " ".join(f"{w:.2f}/{c:.2f}" for w, c in ts)
-        print(f"{name:<12}{statistics.median(w for w, _ in ts):>8.2f}{statistics.median(c for _, c in ts):>8.2f}   {runs}")
+        print(f"{name:<18}{statistics.median(w for w, _ in ts):>8.2f}{statistics.median(c for _, c in ts):>8.2f}"
+              f"   {runs}")
 
     def ratio(a: str, b: str, i: int) -> str:
+        if any(math.isnan(x[i]) for x in times[a] + times[b]):
+            return "-"
         per_rep = statistics.median(x[i] / y[i] for x, y in zip(times[a], times[b]))
         of_medians = statistics.median(x[i] for x in times[a]) / statistics.median(y[i] for y in times[b])
         of_minimums = min(x[i] for x in times[a]) / min(y[i] for y in times[b])
@@ -151,19 +254,15 @@ def report(times: dict[str, list[tuple[float, float]]]) -> None:
     # Other work on a shared machine only ever slows a repetition down, so the fastest repetition of
     # each variant is the steadiest estimate of its own cost when the spread is wide.
     print("ratios: median of per-repetition ratios (ratio of medians, ratio of fastest repetitions); "
-          "wall clock, then process CPU time")
-    print(f"capture / plain vLLM generate  wall {ratio('capture', 'plain', 0)}  cpu {ratio('capture', 'plain', 1)}"
-          f"  target <= 1.05 wall, <= 1.03 cpu")
-    print(f"capture / plain through loop   wall {ratio('capture', 'plain_loop', 0)}  "
-          f"cpu {ratio('capture', 'plain_loop', 1)}")
-    print(f"plain through loop / plain     wall {ratio('plain_loop', 'plain', 0)}  "
-          f"cpu {ratio('plain_loop', 'plain', 1)}  target <= 1.02 (the driver alone)")
-    if "eager" not in times:
-        return
-    eager_wall = statistics.median(w for w, _ in times["eager"])
-    eager_cpu = statistics.median(c for _, c in times["eager"])
-    print(f"eager capture / vLLM capture   wall {eager_wall / statistics.median(w for w, _ in times['capture']):.2f}x  "
-          f"cpu {eager_cpu / statistics.median(c for _, c in times['capture']):.2f}x  (vLLM faster when > 1)")
+          "wall clock, then process CPU time ('-': the default-vLLM process's CPU time is not measured)")
+    for a, b, target in RATIOS:
+        if a in times and b in times:
+            print(f"{a + ' / ' + b:<38} wall {ratio(a, b, 0)}  cpu {ratio(a, b, 1)}  {'target ' + target if target else ''}")
+    if "eager" in times and "capture" in times:
+        eager_wall = statistics.median(w for w, _ in times["eager"])
+        eager_cpu = statistics.median(c for _, c in times["eager"])
+        print(f"eager capture / vLLM capture   wall {eager_wall / statistics.median(w for w, _ in times['capture']):.2f}x"
+              f"  cpu {eager_cpu / statistics.median(c for _, c in times['capture']):.2f}x  (vLLM faster when > 1)")
 
 
 if __name__ == "__main__":

@@ -114,8 +114,9 @@ def prefix_batch(rep: int, n: int = 64, shared: int = 512, own: int = 16) -> lis
 
 
 def capture_prefix(model, batch):
-    results = gather([model.capture(t, ["resid_post.0"], positions=-1) for t in batch])
-    assert all(r["resid_post.0"].shape[1] == 1 for r in results)
+    point = Address("resid_post", 0)
+    results = gather([model.capture(t, [point], positions=-1) for t in batch])
+    assert all(r[point].shape[1] == 1 for r in results)
 
 
 class DefaultVllm:

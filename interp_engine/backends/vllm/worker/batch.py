@@ -6,7 +6,9 @@ concatenated without a batch dimension. Rows ``[starts[j], starts[j + 1])`` belo
 position of that request each row is (a prefill brings many rows, a decode step one). A
 :class:`BatchRows` reads that map once per forward (:func:`.vllm_compat.batch_map`); every site
 hook then asks it which rows to copy for an address, keyed by (request, position). Nothing is
-ever sliced by ``seq_lens``.
+ever sliced by ``seq_lens``, and nothing assumes a request's rows start at position 0: a prompt
+prefilled in chunks, or whose first forward starts after a prefix-cache hit (:mod:`..prefix`),
+files each forward's rows at the positions they are.
 
 Only registered requests are recorded, so warm-up, profiling and plain generation leave
 nothing. A request registered with a position selection keeps only those rows: the others are

@@ -12,6 +12,8 @@ Workload ``generate``: 64 prompts of 5-16 tokens, 32 new tokens each (greedy, EO
 
 - ``default``: **vLLM with its own defaults**, ``LLM(model)`` in a process of its own (compiled
   graphs, prefix caching, chunked prefill: what a vLLM user runs), alternated with the others.
+- ``default_eager`` (``--default-eager``): the same with ``enforce_eager=True``, in a process of
+  its own too (what vLLM's compile buys, and what running the engine in this process costs).
 - ``plain``: vLLM's ``LLM.generate`` on the very engine the capture uses, no points registered.
 - ``plain_loop``: the same 64 requests, no points, posted through the backend's engine thread.
 - ``capture``: ``await model.capture(tokens, points, max_tokens=32)`` for all 64 at once.
@@ -24,7 +26,7 @@ fresh prefix each repetition, the same on every variant), one new token each:
 - ``plain_loop``: the requests through the backend's engine thread, nothing captured.
 - ``capture``: ``await model.capture(tokens, ["resid_post.0"], positions=-1)`` for all 64 at once.
 
-    .venv/bin/python bench/vllm_capture.py [--workload generate prefix] [--reps 5] [--eager-reps 1]
+    .venv/bin/python bench/vllm_capture.py [--workload generate prefix] [--reps 5] [--eager-reps 1] [--default-eager]
 """
 
 from __future__ import annotations
@@ -123,9 +125,10 @@ class DefaultVllm:
     """vLLM with its own defaults (``LLM(model)``) in a process of its own (this script with
     ``--child``), running a workload when asked: one JSON line in, one ``RESULT`` line out."""
 
-    def __init__(self):
+    def __init__(self, options: dict | None = None):
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(options or {})],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self._read()  # started (and compiled)
 
@@ -145,14 +148,15 @@ class DefaultVllm:
         self.proc.wait(timeout=120)
 
 
-def child() -> None:
-    """``--child``: ``LLM(model)`` with vLLM's defaults; times ``generate`` for each request line
-    (wall; its CPU time is mostly in vLLM's engine-core process, so only wall is reported)."""
+def child(options: dict) -> None:
+    """``--child``: ``LLM(model, **options)``, vLLM's defaults unless ``options``; times ``generate``
+    for each request line (wall; its CPU time is mostly in vLLM's engine-core process, so only
+    wall is reported)."""
     from vllm import LLM, SamplingParams
 
     from interp_engine import embedded
 
-    llm = LLM(model=str(embedded.ensure()))
+    llm = LLM(model=str(embedded.ensure()), **options)
     print("RESULT " + json.dumps({"mode": str(llm.llm_engine.vllm_config.compilation_config.mode)}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
@@ -172,10 +176,12 @@ def main() -> None:
     parser.add_argument("--eager-reps", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--default-eager", action="store_true",
+                        help="also vLLM's defaults but enforce_eager=True, in a process of its own (what the compile buys)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        return child()
+    if args.child is not None:
+        return child(json.loads(args.child))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     eager = load_model(SMOL, backend="eager")
@@ -191,10 +197,13 @@ def main() -> None:
     del eager
 
     default = DefaultVllm()
+    default_eager = DefaultVllm({"enforce_eager": True}) if args.default_eager else None
     model = load_model(SMOL, backend="vllm")
     capture_all(model, batch[:4], points, 4)  # first-call costs out of the way
     plain_generate(model, batch[:4], 4)
     default.run(batch[:4], 4)
+    if default_eager is not None:
+        default_eager.run(batch[:4], 4)
     capture_prefix(model, prefix_batch(-1, 4))
     variants = {}
     if "generate" in args.workload:
@@ -211,6 +220,11 @@ def main() -> None:
             "prefix_plain_loop": lambda rep: timed(lambda: plain_loop(model, shared[rep], 1)),
             "prefix_capture": lambda rep: timed(lambda: capture_prefix(model, shared[rep])),
         })
+    if default_eager is not None:
+        if "generate" in args.workload:
+            variants["default_eager"] = lambda rep: default_eager.run(batch, args.new)
+        if "prefix" in args.workload:
+            variants["prefix_default_eager"] = lambda rep: default_eager.run(shared[rep], 1)
     for name in variants:
         times[name] = []
     order = list(variants)
@@ -219,7 +233,9 @@ def main() -> None:
         for name in order:
             times[name].append(variants[name](rep))
     model.close()
-    default.close()
+    for process in (default, default_eager):
+        if process is not None:
+            process.close()
     report(times)
 
 
@@ -230,9 +246,13 @@ RATIOS = [
     ("capture", "plain", "<= 1.05 wall, <= 1.03 cpu (issue 13)"),
     ("plain_loop", "plain", "<= 1.02 (the driver alone)"),
     ("capture", "plain_loop", ""),
+    ("default", "default_eager", "(what vLLM's compile buys)"),
+    ("plain", "default_eager", "(the same engine options, in this process / in its own)"),
     ("prefix_capture", "prefix_default", "<= 1.10 (issue 42)"),
     ("prefix_plain_loop", "prefix_default", "<= 1.02 (issue 42)"),
     ("prefix_capture", "prefix_plain_loop", ""),
+    ("prefix_default", "prefix_default_eager", "(what vLLM's compile buys)"),
+    ("prefix_plain_loop", "prefix_default_eager", ""),
 ]
 
 

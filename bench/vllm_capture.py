@@ -177,7 +177,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--default-eager", action="store_true",
-                        help="also vLLM's defaults but enforce_eager=True, in a process of its own (what the compile buys)")
+                        help="also vLLM's defaults but enforce_eager=True, in a process of its own "
+                             "(what the compile buys)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -278,12 +279,14 @@ def report(times: dict[str, list[tuple[float, float]]]) -> None:
           "wall clock, then process CPU time ('-': the default-vLLM process's CPU time is not measured)")
     for a, b, target in RATIOS:
         if a in times and b in times:
-            print(f"{a + ' / ' + b:<38} wall {ratio(a, b, 0)}  cpu {ratio(a, b, 1)}  {'target ' + target if target else ''}")
+            aim = f"target {target}" if target else ""
+            print(f"{a + ' / ' + b:<38} wall {ratio(a, b, 0)}  cpu {ratio(a, b, 1)}  {aim}")
     if "eager" in times and "capture" in times:
         eager_wall = statistics.median(w for w, _ in times["eager"])
         eager_cpu = statistics.median(c for _, c in times["eager"])
-        print(f"eager capture / vLLM capture   wall {eager_wall / statistics.median(w for w, _ in times['capture']):.2f}x"
-              f"  cpu {eager_cpu / statistics.median(c for _, c in times['capture']):.2f}x  (vLLM faster when > 1)")
+        wall, cpu = (statistics.median(t[i] for t in times["capture"]) for i in (0, 1))
+        print(f"eager capture / vLLM capture   wall {eager_wall / wall:.2f}x  cpu {eager_cpu / cpu:.2f}x  "
+              f"(vLLM faster when > 1)")
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             f"{format_address(address)!r}: {info.name}'s residual is {info.n_streams} streams, so there is no "
             f"single {address.name!r}; capture the streams, e.g. "
             f"{[format_address(Address('resid_streams', address.layer, s)) for s in range(info.n_streams)]}, "
-            f"or attn_out / mlp_out for what each block writes (see docs/MOE.md)"
+            f"or attn_out_post / mlp_out_post for what each block writes (see docs/MOE.md)"
         )
     if info.sites and address.name not in info.sites:
         why = dict(info.refused).get(address.name, "its module is laid out differently there")
@@ -130,7 +130,7 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
                 f"{info.layer_kinds[address.layer]} layer (its token mixer is not softmax attention), so "
                 f"{address.name!r} exists only on its attention layers {list(info.attention_layers)} "
                 f"(layers: {kinds}). "
-                f"attn_out.{address.layer} is what that layer's token mixer adds to the residual"
+                f"attn_out_post.{address.layer} is what that layer's token mixer adds to the residual"
             )
         if site.dense_mlp and address.layer in info.moe_layers:
             dense = [i for i in range(info.n_layers) if i not in info.moe_layers]

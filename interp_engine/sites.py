@@ -47,10 +47,14 @@ SITES: dict[str, Site] = {
     s.name: s
     for s in [
         Site("resid_pre", "[b, p, d_model]", "residual stream entering the layer", single_stream=True),
-        Site("attn_out", "[b, p, d_model]", "what the attention block adds to the residual"),
-        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out", single_stream=True),
-        Site("mlp_out", "[b, p, d_model]", "what the MLP / MoE block adds to the residual"),
-        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer",
+        Site("attn_out", "[b, p, d_model]", "the attention block's raw output, before any post-attention norm"),
+        Site("attn_out_post", "[b, p, d_model]", "what the attention block adds to the residual: attn_out after "
+             "any post-attention norm (attn_out itself where the family has none)"),
+        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out_post", single_stream=True),
+        Site("mlp_out", "[b, p, d_model]", "the MLP / MoE block's raw output, before any post-feedforward norm"),
+        Site("mlp_out_post", "[b, p, d_model]", "what the MLP / MoE block adds to the residual: mlp_out after "
+             "any post-feedforward norm (mlp_out itself where the family has none)"),
+        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out_post = resid_pre of the next layer",
              single_stream=True),
         Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection",
              attention=True),

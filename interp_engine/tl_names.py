@@ -7,7 +7,11 @@ is ``resid_post.10``. This module is the one table between the two grammars:
 ``format_address(a, style="tl")`` writes one through :func:`tl_name`. The dataset export for
 SAELens names its column with the same table.
 
-Only names whose tensor is exactly ours are in the table. TransformerLens's ``hook_q`` / ``hook_k``
+Only names whose tensor is exactly ours are in the table. TransformerLens's block-level
+``hook_attn_out`` / ``hook_mlp_out`` are what each block adds to the residual, after any post-block
+norm: our ``attn_out_post`` / ``mlp_out_post``; its bridge's ``attn.hook_out`` / ``mlp.hook_out`` are
+the blocks' raw outputs, our ``attn_out`` / ``mlp_out`` (the same tensors except on Gemma 2 / 3 / 3n
+and OLMo 2 / 3, which norm each block's output before the add). TransformerLens's ``hook_q`` / ``hook_k``
 are *before* rotary, ours after (``hook_rot_q`` / ``hook_rot_k``), so they are not the same point;
 names with no equivalent (the norms' inputs, ``hook_attn_scores``, ``hook_result``) are refused
 with the closest address this engine serves and how to get what the name meant.
@@ -26,9 +30,11 @@ from .errors import AddressError
 #: our site name -> the TransformerLens hook name (``{L}``: the layer)
 TL_HOOKS: dict[str, str] = {
     "resid_pre": "blocks.{L}.hook_resid_pre",
-    "attn_out": "blocks.{L}.hook_attn_out",
+    "attn_out": "blocks.{L}.attn.hook_out",
+    "attn_out_post": "blocks.{L}.hook_attn_out",
     "resid_mid": "blocks.{L}.hook_resid_mid",
-    "mlp_out": "blocks.{L}.hook_mlp_out",
+    "mlp_out": "blocks.{L}.mlp.hook_out",
+    "mlp_out_post": "blocks.{L}.hook_mlp_out",
     "resid_post": "blocks.{L}.hook_resid_post",
     "z": "blocks.{L}.attn.hook_z",
     "q": "blocks.{L}.attn.hook_rot_q",

@@ -84,6 +84,19 @@ def group_sites(addresses, table: dict[str, Hook]) -> dict[Group, list]:
     return dict(groups)
 
 
+#: the residual contribution of each block -> the block's raw output it equals without a post-block norm
+CONTRIBUTIONS = {"attn_out_post": "attn_out", "mlp_out_post": "mlp_out"}
+
+
+def with_contributions(table: dict) -> dict:
+    """``table`` (a site table, or refusal reasons by site) with ``attn_out_post`` / ``mlp_out_post``
+    read (or refused) as the raw ``attn_out`` / ``mlp_out`` where the table does not name them: a
+    family without post-block norms adds each block's raw output to the residual as it is. A family
+    with post-block norms (Gemma 2 / 3 / 3n, OLMo 2 / 3) names both in its table."""
+    extra = {post: table[raw] for post, raw in CONTRIBUTIONS.items() if raw in table and post not in table}
+    return {**table, **extra} if extra else table
+
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """Everything the engine knows about one model family, as data: the backends, the unembedding
@@ -159,6 +172,8 @@ class Arch:
     def __post_init__(self):
         if self.weights not in ("out_in", "in_out"):
             raise ValueError(f"Arch {self.family!r}: weights must be 'out_in' or 'in_out', got {self.weights!r}")
+        for field in ("sites", "vllm", "refused", "vllm_refused"):
+            object.__setattr__(self, field, with_contributions(getattr(self, field)))
 
     def fits(self, config) -> bool:
         """Whether a transformers ``config`` is a model of this family."""

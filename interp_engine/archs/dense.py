@@ -23,12 +23,13 @@ LLAMA_SITES = {
     **ATTENTION,
 }
 
-#: Gemma 2 normalises each block's output before adding it to the residual.
+#: Gemma 2 normalises each block's output before adding it to the residual: ``attn_out`` / ``mlp_out``
+#: are the blocks' raw outputs, ``attn_out_post`` / ``mlp_out_post`` the normed ones the residual adds.
 GEMMA2_SITES = {
     **LLAMA_SITES,
-    "attn_out": Hook("post_attention_layernorm", "out"),
+    "attn_out_post": Hook("post_attention_layernorm", "out"),
     "resid_mid": Hook("pre_feedforward_layernorm", "in"),
-    "mlp_out": Hook("post_feedforward_layernorm", "out"),
+    "mlp_out_post": Hook("post_feedforward_layernorm", "out"),
 }
 
 ARCHS = (

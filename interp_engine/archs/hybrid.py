@@ -8,7 +8,7 @@ sits in a Llama layer (input norm before, residual add after), so:
 
 - ``resid_pre`` / ``resid_mid`` / ``resid_post``, ``mlp_out`` (and ``mlp_post`` / the MoE sites)
   are served on every layer;
-- ``attn_out.L`` is what the layer's token mixer adds to the residual, whichever it is (the table
+- ``attn_out.L`` (= ``attn_out_post.L``) is what the layer's token mixer adds to the residual, whichever it is (the table
   reads ``self_attn|linear_attn``, the one the layer has);
 - ``z`` / ``q`` / ``k`` / ``v`` / ``pattern`` exist only on the full-attention layers
   (``Arch.attention_kinds``); asking for them on a linear-attention layer is refused with the

@@ -10,8 +10,9 @@ residual, or scale the embedding: Gemma 1, Gemma 3, OLMo 2 and OLMo 3 (Gemma 2 i
   normed (``post_attention_layernorm`` / ``post_feedforward_layernorm``) before the add. The
   q / k norms span all heads, before rotary. OLMo 3 interleaves sliding-window layers.
 
-In each, ``attn_out`` / ``mlp_out`` are the normed outputs, exactly what is added to the residual
-(as for Gemma 2), so ``resid_mid = resid_pre + attn_out`` and ``resid_post = resid_mid + mlp_out``.
+In each (as in Gemma 2), ``attn_out`` / ``mlp_out`` are the blocks' raw outputs and ``attn_out_post`` /
+``mlp_out_post`` the normed outputs, exactly what is added to the residual, so ``resid_mid =
+resid_pre + attn_out_post`` and ``resid_post = resid_mid + mlp_out_post``.
 
 On vLLM, Gemma 1 and 3 run in vLLM's own model classes (Llama's and Gemma 2's reads); OLMo 2 and 3
 run through vLLM's Transformers backend, which calls the Hugging Face decoder layers on the flat
@@ -29,9 +30,11 @@ from .gpt import NO_QKV_ON_TRANSFORMERS_BACKEND
 #: OLMo 2 / 3: no pre-norms, so the MLP's input is ``resid_mid`` itself.
 OLMO2_SITES = {
     "resid_pre": Hook("", "in"),
-    "attn_out": Hook("post_attention_layernorm", "out"),
+    "attn_out": Hook("self_attn", "out"),
+    "attn_out_post": Hook("post_attention_layernorm", "out"),
     "resid_mid": Hook("mlp", "in"),
-    "mlp_out": Hook("post_feedforward_layernorm", "out"),
+    "mlp_out": Hook("mlp", "out"),
+    "mlp_out_post": Hook("post_feedforward_layernorm", "out"),
     "resid_post": Hook("", "out"),
     "z": Hook("self_attn.o_proj", "in"),
     "mlp_post": Hook("mlp.down_proj", "in"),
@@ -42,9 +45,11 @@ OLMO2_SITES = {
 #: OLMo 2 / 3 on vLLM's Transformers backend: the Hugging Face layer, ``[1, tokens, ...]``
 OLMO2_VLLM = {
     "resid_pre": Hook("", "in", parts=("hidden_states",), layout=ONE),
-    "attn_out": Hook("post_attention_layernorm", "out", parts=(0,), layout=ONE),
+    "attn_out": Hook("self_attn", "out", parts=(0,), layout=ONE),
+    "attn_out_post": Hook("post_attention_layernorm", "out", parts=(0,), layout=ONE),
     "resid_mid": Hook("mlp", "in", parts=("x",), layout=ONE),
-    "mlp_out": Hook("post_feedforward_layernorm", "out", parts=(0,), layout=ONE),
+    "mlp_out": Hook("mlp", "out", parts=(0,), layout=ONE),
+    "mlp_out_post": Hook("post_feedforward_layernorm", "out", parts=(0,), layout=ONE),
     "resid_post": Hook("", "out", parts=(0,), layout=ONE),
     "z": Hook("self_attn.o_proj", "in", parts=("input_",), shard="heads", layout=ONE),
     "mlp_post": Hook("mlp.down_proj", "in", parts=("input_",), shard="cols", layout=ONE),

@@ -201,7 +201,8 @@ def _index(dictionaries, info: ModelInfo, writable) -> tuple[dict, dict]:
 
 
 #: the order in which a layer computes the sites a dictionary sits at
-_ORDER = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post", "resid_streams")
+_ORDER = ("resid_pre", "z", "attn_out", "attn_out_post", "resid_mid", "mlp_post", "mlp_out", "mlp_out_post", "resid_post",
+          "resid_streams")
 
 
 def _plan_edit(point: FeatureAddress, edit, d: Dictionary, tokens, lengths, generating, max_tokens) -> Planned:

@@ -43,7 +43,8 @@ def _points(model) -> list[str]:
 def test_every_served_site_matches_eager(name, pair):
     vllm, eager = pair
     names = {a.name for a in vllm.points()}
-    want_names = {"resid_pre", "attn_out", "mlp_out", "resid_post", "z", "mlp_post", "resid_streams", "final_norm", "logits"}
+    want_names = {"resid_pre", "attn_out", "attn_out_post", "mlp_out", "mlp_out_post", "resid_post", "z", "mlp_post",
+                  "resid_streams", "final_norm", "logits"}
     want_names |= {"resid_mid"} if name != "gpt_neox" else set()
     want_names |= {"q", "k", "v"} if name == "gpt2" else set()
     assert names == want_names

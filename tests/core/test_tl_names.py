@@ -20,8 +20,10 @@ SPELLED = {
     "blocks.10.hook_resid_post": Address("resid_post", 10),
     "blocks.0.hook_resid_pre": Address("resid_pre", 0),
     "blocks.4.hook_resid_mid": Address("resid_mid", 4),
-    "blocks.1.hook_attn_out": Address("attn_out", 1),
-    "blocks.1.hook_mlp_out": Address("mlp_out", 1),
+    "blocks.1.hook_attn_out": Address("attn_out_post", 1),  # the residual contribution, after any post-norm
+    "blocks.1.hook_mlp_out": Address("mlp_out_post", 1),
+    "blocks.1.attn.hook_out": Address("attn_out", 1),  # the bridge's raw block outputs
+    "blocks.1.mlp.hook_out": Address("mlp_out", 1),
     "blocks.7.attn.hook_z": Address("z", 7),
     "blocks.5.attn.hook_rot_q": Address("q", 5),
     "blocks.5.attn.hook_rot_k": Address("k", 5),
@@ -86,7 +88,7 @@ def test_tl_names_capture_look_up_and_edit_as_ours(model, tokens):
     """The same call with TL names returns the same tensors under our addresses (the same
     computation: bit for bit), answers lookups by either name, and edits keyed by TL names equal
     edits keyed by ours."""
-    ours = ["resid_post.1", "z.0", "mlp_post.2", "resid_pre.0", "attn_out.1", "pattern.1"]
+    ours = ["resid_post.1", "z.0", "mlp_post.2", "resid_pre.0", "attn_out_post.1", "pattern.1"]
     theirs = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.2.mlp.hook_post",
               "blocks.0.hook_resid_pre", "blocks.1.hook_attn_out", "blocks.1.attn.hook_pattern"]
     want = run_with_cache(model, tokens, ours)
@@ -135,7 +137,7 @@ def test_negative_layers_count_from_the_end(model, tokens, tmp_path):
 
 def test_analysis_takes_negative_layers_and_an_int(model, tokens):
     n = model.n_layers
-    cache = run_with_cache(model, tokens, ["resid_pre.0", "resid_post", "attn_out", "mlp_out", "z"])
+    cache = run_with_cache(model, tokens, ["resid_pre.0", "resid_post", "attn_out_post", "mlp_out_post", "z"])
     assert torch.equal(logit_lens(model, cache, [-1]), logit_lens(model, cache, [n - 1]))
     assert torch.equal(logit_lens(model, cache, -1), logit_lens(model, cache, [n - 1]))  # an int is one layer
     assert torch.equal(logit_lens(model, cache, 1), logit_lens(model, cache, [1]))

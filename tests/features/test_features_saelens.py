@@ -118,7 +118,7 @@ def test_saelens_transcoders(tmp_path, kind):
                                        metadata=meta("blocks.1.hook_resid_mid", hook_name_out="blocks.1.hook_mlp_out"))
     randomise(getattr(tc, kind)(cfg), 6).save_model(tmp_path / "tc")
     ours = load_dictionary(tmp_path / "tc")
-    assert (ours.reads, ours.writes) == (Address("resid_mid", 1), Address("mlp_out", 1))
+    assert (ours.reads, ours.writes) == (Address("resid_mid", 1), Address("mlp_out_post", 1))
     assert (ours.W_skip is not None) == ("Skip" in kind)
     agree(ours, sae_lens.SAE.load_from_disk(tmp_path / "tc"), x_for(), transcoder=True)
 

@@ -42,7 +42,8 @@ def zero_padding(tensor: torch.Tensor, mask: torch.Tensor, address: Address) -> 
 class EagerModel(CaptureModel):
     capabilities = Capabilities(
         "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
-        writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
+        writable=frozenset({"resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post",
+                            "z", "mlp_post", "q", "k",
                             "v", "pattern", "resid_streams"}),
         function_edits=True, takes_device=True, features=True)
 

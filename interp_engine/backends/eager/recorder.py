@@ -10,7 +10,7 @@ Edits (see :mod:`interp_engine.edits`) go through the same table: the hook that 
 also writes it, editing first, so a capture of the edited address sees the edited value and
 every later module computes from it. ``resid_mid`` is a local variable of a decoder layer, so
 it is written through what the attention block adds (the identity ``resid_mid = resid_pre +
-attn_out``): ``attn_out' = edited(resid_pre + attn_out) - resid_pre``.
+attn_out_post``): ``attn_out_post' = edited(resid_pre + attn_out_post) - resid_pre``.
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ class Recorder:
 
     def _write_hook(self, address: Address):
         """Where an edit of ``address`` is written: its own hook, except resid_mid, written through
-        attn_out from the layer's input (see the module docstring)."""
-        return self.arch.sites["attn_out" if address.name == "resid_mid" else address.name]
+        attn_out_post from the layer's input (see the module docstring)."""
+        return self.arch.sites["attn_out_post" if address.name == "resid_mid" else address.name]
 
     def _batch_hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)

@@ -8,7 +8,8 @@ continuous batching. Workers record each request's rows at its points
 (:mod:`.worker.hooks`); this module puts the ranks' pieces together into ``[1, pos, ...]``
 tensors with the same shapes as the eager backend's.
 
-Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``v`` (as the
+Served: ``resid_pre/mid/post``, ``attn_out`` / ``mlp_out`` (the blocks' raw outputs) and ``attn_out_post``
+/ ``mlp_out_post`` (what they add to the residual), ``z``, ``q``/``k``/``v`` (as the
 attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
 ``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``); on MoE families
 ``router_logits`` and, where the router's selection is read from the call that hands it to the
@@ -79,7 +80,8 @@ def _scores(steps, generated: list[int], top: int) -> tuple[list[float], list[di
 class VllmModel(FetchedUnembedding, CaptureModel):
     capabilities = Capabilities(
         "vllm", "vLLM", batched=False, forms_pattern=False, gradients=False,
-        writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
+        writable=frozenset({"resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post",
+                            "z", "mlp_post", "q", "k",
                             "v"}),
         function_edits=False, takes_device=False, features=True)
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
@@ -214,7 +216,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 if sharded:
                     raise InputError(f"{d!r} sits at {sharded[0]}, which tensor parallelism splits over ranks by "
                                      f"{self.sites[sharded[0].name].shard}; dictionaries run on replicated sites "
-                                     f"(resid_*, attn_out, mlp_out) under tensor_parallel_size > 1, or load the "
+                                     f"(resid_*, attn_out[_post], mlp_out[_post]) under tensor_parallel_size > 1, or load the "
                                      f"model with tensor_parallel_size=1")
             if d.key not in self._dictionaries:
                 run_on_loop(self._loop, "interp_add_dictionary", dictionary_for_worker(d))

@@ -22,6 +22,11 @@ class Hook:
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
     :mod:`interp_engine.backends.vllm.worker.experts`).
+    ``"normalized"`` reads the norm at ``module``'s output before its gain, recomputed from its
+    input (eager, :mod:`interp_engine.backends.eager.norms`).
+    A model-level site (``embeddings``, ``lm_head``, ``ln_final_normalized``) names a module path
+    relative to the model; :class:`Arch` fills them from its ``embed``, ``unembed`` and
+    ``final_norm`` paths.
     ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
     ``parts`` (vLLM) names the tensors whose *sum* is the site: forward arguments by parameter
     name for ``"in"`` (by position, an int, where the forward takes ``*args``: a custom op), output
@@ -35,7 +40,7 @@ class Hook:
     """
 
     module: str
-    phase: str  # "in" | "out" | "attention" | "select"
+    phase: str  # "in" | "out" | "attention" | "select" | "normalized"
     index: int = 0
     layout: str = ""
     parts: tuple = ()
@@ -174,6 +179,10 @@ class Arch:
             raise ValueError(f"Arch {self.family!r}: weights must be 'out_in' or 'in_out', got {self.weights!r}")
         for field in ("sites", "vllm", "refused", "vllm_refused"):
             object.__setattr__(self, field, with_contributions(getattr(self, field)))
+        paths = {"embeddings": Hook(self.embed, "out"), "lm_head": Hook(self.unembed, "out"),
+                 "ln_final_normalized": Hook(self.final_norm, "normalized")}
+        object.__setattr__(self, "sites", {**{s: h for s, h in paths.items() if h.module and s not in self.refused},
+                                              **self.sites})
 
     def fits(self, config) -> bool:
         """Whether a transformers ``config`` is a model of this family."""

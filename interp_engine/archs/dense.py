@@ -10,8 +10,26 @@ from .base import Arch, Hook
 
 ATTENTION = {name: Hook("self_attn", "attention") for name in ("q", "k", "v", "pattern")}
 
+#: what each block is handed and the pre-norms' outputs before their gain, in a layer with Llama's
+#: module names (``mlp_in`` is the MoE block's input on an MoE layer)
+BLOCK_INPUTS = {
+    "attn_in": Hook("self_attn", "in"),
+    "mlp_in": Hook("mlp", "in"),
+    "ln1_normalized": Hook("input_layernorm", "normalized"),
+    "ln2_normalized": Hook("post_attention_layernorm", "normalized"),
+}
+
+#: a gated MLP with separate gate and up projections: ``act(gate(x)) * up(x)``
+GATED_MLP = {"mlp_pre": Hook("mlp.gate_proj", "out"), "mlp_pre_linear": Hook("mlp.up_proj", "out")}
+
+#: Phi-3 fuses the gate and up projections into one ``gate_up_proj``: neither half is a module output
+FUSED_GATE_UP = {name: "Phi-3 fuses the gate and up projections into one gate_up_proj, so neither half is a module "
+                       "output here; mlp_post (act(gate) * up, the down projection's input) is served"
+                 for name in ("mlp_pre", "mlp_pre_linear")}
+
 #: Llama and everything that shares its layer layout (Mistral, Qwen2, Qwen3).
 LLAMA_SITES = {
+    **BLOCK_INPUTS,
     "resid_pre": Hook("", "in"),
     "attn_out": Hook("self_attn", "out"),
     "resid_mid": Hook("post_attention_layernorm", "in"),
@@ -29,10 +47,14 @@ GEMMA2_SITES = {
     **LLAMA_SITES,
     "attn_out_post": Hook("post_attention_layernorm", "out"),
     "resid_mid": Hook("pre_feedforward_layernorm", "in"),
+    "ln2_normalized": Hook("pre_feedforward_layernorm", "normalized"),
     "mlp_out_post": Hook("post_feedforward_layernorm", "out"),
+    **GATED_MLP,
 }
 
 ARCHS = (
-    Arch("llama", ("llama", "mistral", "qwen2", "qwen3", "phi3"), LLAMA_SITES, vllm=vllm_reads.LLAMA),
+    Arch("llama", ("llama", "mistral", "qwen2", "qwen3"), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
+    # Phi-3 is Llama's record but for its fused gate / up projection
+    Arch("llama", ("phi3",), LLAMA_SITES, vllm=vllm_reads.LLAMA, refused=FUSED_GATE_UP),
     Arch("gemma2", ("gemma2",), GEMMA2_SITES, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
 )

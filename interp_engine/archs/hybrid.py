@@ -24,10 +24,12 @@ q / k norms and rotary (partial rotary: ``partial_rotary_factor``), as the score
 from __future__ import annotations
 
 from .base import Arch, Hook
-from .dense import ATTENTION
+from .dense import ATTENTION, BLOCK_INPUTS, GATED_MLP
 from .moe import ROUTER_SITES
 
 _SITES = {
+    **BLOCK_INPUTS,
+    "attn_in": Hook("self_attn|linear_attn", "in"),
     "resid_pre": Hook("", "in"),
     "attn_out": Hook("self_attn|linear_attn", "out"),
     "resid_mid": Hook("post_attention_layernorm", "in"),
@@ -51,7 +53,7 @@ _QWEN3_5_IMPORT = ("vLLM 0.32's Qwen3_5ForCausalLM lives in a module that import
                    + _GDN_ON_CPU)
 
 ARCHS = (
-    Arch("qwen3_5", ("qwen3_5_text",), {**_SITES, "mlp_post": Hook("mlp.down_proj", "in")},
+    Arch("qwen3_5", ("qwen3_5_text",), {**_SITES, "mlp_post": Hook("mlp.down_proj", "in"), **GATED_MLP},
          layer_kinds="layer_types", attention_kinds=_FULL, vllm_unsupported=_QWEN3_5_IMPORT),
     Arch("qwen3_next", ("qwen3_next",), {**_SITES, "mlp_post": Hook("mlp.down_proj", "in"), **ROUTER_SITES},
          layer_kinds="layer_types", attention_kinds=_FULL, vllm_unsupported=_GDN_ON_CPU),

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from . import vllm_reads
 from .base import ONE, Arch, Hook
-from .dense import ATTENTION, GEMMA2_SITES, LLAMA_SITES
+from .dense import ATTENTION, GATED_MLP, GEMMA2_SITES, LLAMA_SITES
 from .gpt import NO_QKV_ON_TRANSFORMERS_BACKEND
 
 #: OLMo 2 / 3: no pre-norms, so the MLP's input is ``resid_mid`` itself.
 OLMO2_SITES = {
     "resid_pre": Hook("", "in"),
+    "attn_in": Hook("self_attn", "in"),
+    "mlp_in": Hook("mlp", "in"),
+    **GATED_MLP,
     "attn_out": Hook("self_attn", "out"),
     "attn_out_post": Hook("post_attention_layernorm", "out"),
     "resid_mid": Hook("mlp", "in"),
@@ -55,12 +58,17 @@ OLMO2_VLLM = {
     "mlp_post": Hook("mlp.down_proj", "in", parts=("input_",), shard="cols", layout=ONE),
 }
 
+_NO_PRE_NORM = {
+    "ln1_normalized": "OLMo 2 / 3 have no pre-attention norm: attention reads the residual itself (attn_in = resid_pre)",
+    "ln2_normalized": "OLMo 2 / 3 have no pre-MLP norm: the MLP reads the residual itself (mlp_in = resid_mid)",
+}
+
 _OLMO_ON_VLLM = dict(vllm=OLMO2_VLLM, vllm_transformers_backend=True,
                      vllm_refused={name: NO_QKV_ON_TRANSFORMERS_BACKEND for name in ("q", "k", "v")})
 
 ARCHS = (
-    Arch("gemma", ("gemma",), LLAMA_SITES, vllm=vllm_reads.LLAMA),
+    Arch("gemma", ("gemma",), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
     Arch("gemma3", ("gemma3_text",), GEMMA2_SITES, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
-    Arch("olmo2", ("olmo2",), OLMO2_SITES, **_OLMO_ON_VLLM),
-    Arch("olmo3", ("olmo3",), OLMO2_SITES, **_OLMO_ON_VLLM),
+    Arch("olmo2", ("olmo2",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
+    Arch("olmo3", ("olmo3",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
 )

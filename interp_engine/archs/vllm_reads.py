@@ -74,3 +74,21 @@ GEMMA3N = {
     **{name: LLAMA[name] for name in ("z", "mlp_post", "q")},
     "resid_streams": Hook("", "out", parts=(0,), layout="s (b p) d"),
 }
+
+
+_NOT_WIRED = ("not read on the vLLM backend yet (issue 37: the eager backend serves it; on vLLM {how}); "
+              "load the model with backend='eager' to capture it")
+
+#: why the vLLM backend does not serve the points the eager backend reads around each block
+EAGER_ONLY = {
+    "attn_in": _NOT_WIRED.format(how="the attention module's input is the fused add-norm's first output"),
+    "mlp_in": _NOT_WIRED.format(how="the MLP's input is the fused add-norm's first output"),
+    "ln1_normalized": _NOT_WIRED.format(how="vLLM's fused add-norm kernel never forms the norm before its gain"),
+    "ln2_normalized": _NOT_WIRED.format(how="vLLM's fused add-norm kernel never forms the norm before its gain"),
+    "ln_final_normalized": _NOT_WIRED.format(how="vLLM's final norm is fused with the residual add"),
+    "mlp_pre": _NOT_WIRED.format(how="vLLM fuses the gate and up projections into one gate_up_proj"),
+    "mlp_pre_linear": _NOT_WIRED.format(how="vLLM fuses the gate and up projections into one gate_up_proj"),
+    "embeddings": _NOT_WIRED.format(how="the embedding is vocabulary-parallel under tensor parallelism"),
+    "lm_head": _NOT_WIRED.format(how="vLLM's compute_logits folds the final softcapping into the unembedding; "
+                                     "logits is served"),
+}

@@ -56,7 +56,8 @@ _NORMALIZE = {"none": "none", None: "none", False: "none", "constant_norm_rescal
 #: sites a dictionary may read or write: one vector per position, written where it is made
 #: (z flattens its heads: ``[n_heads * d_head]``)
 DICTIONARY_SITES = ("resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post", "z",
-                    "mlp_post", "resid_streams")
+                    "mlp_post", "resid_streams", "ln1_normalized", "attn_in", "ln2_normalized", "mlp_in", "mlp_pre",
+                    "mlp_pre_linear")
 _CFG = "cfg.json"
 _WEIGHTS = "sae_weights.safetensors"
 _NPZ = "params.npz"

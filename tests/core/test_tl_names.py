@@ -32,7 +32,14 @@ SPELLED = {
     "blocks.3.mlp.hook_post": Address("mlp_post", 3),
     "blocks.6.mlp.hook_expert_weights": Address("expert_weights", 6),
     "blocks.6.mlp.hook_expert_indices": Address("expert_indices", 6),
-    "ln_final.hook_normalized": Address("final_norm"),
+    "ln_final.hook_normalized": Address("ln_final_normalized"),  # before the final norm's gain
+    "ln_final.hook_out": Address("final_norm"),  # after it: what the unembedding reads
+    "blocks.1.ln1.hook_normalized": Address("ln1_normalized", 1),
+    "blocks.1.ln2.hook_normalized": Address("ln2_normalized", 1),
+    "blocks.1.attn.hook_in": Address("attn_in", 1),
+    "blocks.1.mlp.hook_in": Address("mlp_in", 1),
+    "blocks.1.mlp.hook_pre": Address("mlp_pre", 1),
+    "blocks.1.mlp.hook_pre_linear": Address("mlp_pre_linear", 1),
 }
 
 
@@ -45,16 +52,15 @@ def test_a_tl_name_reads_as_our_address_and_back(name):
 
 
 @pytest.mark.parametrize("name, closest", [
-    ("hook_embed", "'resid_pre.0'"),
+    ("hook_embed", "'embeddings'.*Gemma"),
+    ("blocks.1.hook_mlp_in", r"'resid_mid.1'.*mlp_in.1"),
     ("blocks.3.attn.hook_q", r"'q.3': q.3 is the queries after qk-norm and rotary .*hook_rot_q"),
     ("blocks.3.attn.hook_k", "'k.3'"),
     ("blocks.2.attn.hook_attn_scores", "'pattern.2'"),
     ("blocks.2.attn.hook_result", r"'z.2'.*head_contributions\(model, cache, 2\)"),
-    ("blocks.1.ln2.hook_normalized", "'resid_mid.1'"),
-    ("blocks.1.mlp.hook_pre", "'mlp_post.1'"),
     ("blocks.3.hook_resid_psot", r"Did you mean 'blocks.3.hook_resid_post' \(here 'resid_post.3'\)"),
-    ("blocks.3.ln1.hook_normalised", r"Did you mean 'blocks.3.ln1.hook_normalized' \(not a point here; the "
-                                     r"closest is 'resid_pre.3'\)"),
+    ("blocks.3.ln1.hook_normalised", r"Did you mean 'blocks.3.ln1.hook_normalized' \(here 'ln1_normalized.3'\)"),
+    ("blocks.3.ln1.hook_scale", r"'resid_pre.3'.*scale is not a point"),
 ])
 def test_a_tl_name_without_an_equivalent_names_the_closest(name, closest):
     with pytest.raises(AddressError, match=closest):
@@ -70,7 +76,7 @@ def test_points_without_a_tl_name_say_so():
 
 def test_the_saelens_export_names_its_column_from_the_same_table():
     for name, address in SPELLED.items():
-        if address.name not in ("pattern", "expert_weights", "expert_indices", "final_norm"):
+        if address.name not in ("pattern", "expert_weights", "expert_indices", "final_norm", "ln_final_normalized"):
             assert tl_hook_name(str(address)) == name
 
 
@@ -173,7 +179,7 @@ def test_cfg_tokenizer_and_d_vocab_as_transformer_lens_names_them(model):
 def test_final_norm_is_what_the_unembedding_reads(model, tokens):
     """final_norm equals Hugging Face's last hidden state (after the model's norm), and the
     unembedding of it is the logits; asked with an early layer, the forward still runs whole."""
-    cache = run_with_cache(model, tokens, ["ln_final.hook_normalized", "resid_post.0", "logits", "resid_post.-1"])
+    cache = run_with_cache(model, tokens, ["ln_final.hook_out", "resid_post.0", "logits", "resid_post.-1"])
     real = tokens >= 0
     with torch.no_grad():
         hidden = model.hf(input_ids=tokens.clamp(min=0), attention_mask=real, output_hidden_states=True).hidden_states

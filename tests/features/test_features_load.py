@@ -230,7 +230,7 @@ def test_dtype_and_device_and_key():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"reads": "blocks.3.ln2.hook_normalized"}, "resid_mid.3"),
+    ({"reads": "blocks.3.ln2.hook_scale"}, "resid_mid.3"),
     ({"reads": "blocks.3.hook_nonsense"}, "known: blocks.L.hook_resid_pre"),
     ({"reads": "pattern.1"}, "one vector per position at one of"),
     ({"reads": "logits"}, "one vector per position at one of"),

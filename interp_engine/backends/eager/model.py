@@ -15,7 +15,7 @@ import threading
 import torch
 
 from interp_engine import cancel
-from interp_engine.address import Address
+from interp_engine.address import SITES, Address
 from interp_engine.archs import arch_for, describe, model_info, record_for_model, unserved_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
@@ -151,7 +151,7 @@ class EagerModel(CaptureModel):
         tokens, addresses, detach = request.tokens, list(request.points), request.detach
         positions, edits = request.positions, request.edits
         mask = tokens >= 0
-        want_logits = Address("logits") in addresses
+        want_logits = any(getattr(SITES.get(a.name), "unembedding", False) for a in addresses)
         whole = any(a.layer is None for a in addresses)  # the logits or the final norm: every layer runs
         with self._lock, self._grad_context(detach):
             cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs

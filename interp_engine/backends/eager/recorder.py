@@ -31,6 +31,7 @@ from interp_engine.edits import Planned, edit_chain
 from interp_engine.positions import Selection, gather_positions
 from . import attention
 from .attention_edits import AttentionEditor
+from .norms import pre_gain
 from ..heads import split_heads
 
 
@@ -169,9 +170,13 @@ class Recorder:
                 self._stash[(address.layer, pre.module, pre.phase)] = address.layer
                 by_module.setdefault((address.layer, pre.module, pre.phase), [])
 
+        for address in sites:  # model-level reads the family record names (the embedding, the unembedding)
+            if address.layer is None and address.name in self.arch.sites:
+                hook = self._hooks[address] = self.arch.sites[address.name]
+                by_module.setdefault((None, hook.module, hook.phase), []).append(address)
         for key, addresses in by_module.items():
             layer, path, kind = key
-            module = layer_module(self.layers[layer], path)
+            module = self.hf.get_submodule(path) if layer is None else layer_module(self.layers[layer], path)
             if kind == "attention":
                 if addresses:
                     self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
@@ -179,6 +184,9 @@ class Recorder:
                     self._stack.enter_context(attention.editing(module, AttentionEditor(self, self._edit_at[key])))
             elif kind == "in":
                 handle = module.register_forward_pre_hook(self._input_hook(key, addresses), with_kwargs=True)
+                self._stack.callback(handle.remove)
+            elif kind == "normalized":
+                handle = module.register_forward_pre_hook(self._normalized_hook(key, addresses), with_kwargs=True)
                 self._stack.callback(handle.remove)
             else:
                 handle = module.register_forward_hook(self._output_hook(key, addresses))
@@ -255,6 +263,16 @@ class Recorder:
                     return (tensor, *args[1:]), kwargs
                 return args, {**kwargs, "hidden_states": tensor}
             return None
+
+        return hook
+
+    def _normalized_hook(self, key, addresses):
+        """Read the norm's output before its gain, recomputed from its input (:mod:`.norms`); the
+        forward goes on unchanged (a dictionary reading here only encodes)."""
+        def hook(module, args, kwargs):
+            tensor = self._edit(key, pre_gain(module, _hidden_input(args, kwargs)))
+            for a in addresses:
+                self.keep(a, tensor)
 
         return hook
 

@@ -32,7 +32,7 @@ import torch
 
 from interp_engine import cancel
 from interp_engine.address import Address, FeatureAddress
-from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
+from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_reads, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.edit_directions import DIRECTIONAL
@@ -123,7 +123,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         """The capabilities of a model with this config before its engine starts (the engine may
         find more sites it cannot read exactly)."""
         arch = arch_for(hf_config)
-        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)), arch.vllm_refused)
+        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)),
+                                        {**vllm_reads.EAGER_ONLY, **arch.vllm_refused})
 
     @classmethod
     def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,

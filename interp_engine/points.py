@@ -17,6 +17,7 @@ from .address import Address, FeatureAddress, format_address, parse_address, to_
 from .capabilities import Capabilities
 from .errors import AddressError, shown
 from .scalars import integer
+from .vocab import our_name, unknown_site
 from .sites import SITES, Site
 
 
@@ -181,15 +182,17 @@ def _served(address: Address, info: ModelInfo, caps: Capabilities) -> bool:
 
 
 def all_points(info: ModelInfo, caps: Capabilities, site: str | None = None) -> list[Address]:
-    """Every address the model serves on the backend of ``caps``, in forward order: layer by layer, the
-    sites of each layer in the order of :data:`SITES`, streams in order, ``logits`` last.
+    """Every address the model serves on the backend of ``caps``, in forward order: ``embeddings``, then
+    layer by layer, the sites of each layer in the order of :data:`SITES`, streams in order, ``logits`` last.
     ``site`` keeps one site's addresses (in layer order)."""
+    site = our_name(site) if isinstance(site, str) else site
     if site is not None and site not in SITES:
-        raise AddressError(f"unknown site {site!r}; known sites: {', '.join(SITES)}")
+        raise AddressError(unknown_site(site) if isinstance(site, str) else f"site must be a name, got {shown(site)}")
     sites = [SITES[site]] if site is not None else list(SITES.values())
     layered = [s for s in sites if s.per_layer]
-    out = [a for L in range(info.n_layers) for s in layered for a in _candidates(info, s, L)]
-    out += [Address(s.name) for s in sites if not s.per_layer]
+    out = [Address(s.name) for s in sites if not s.per_layer and s.before_layers]
+    out += [a for L in range(info.n_layers) for s in layered for a in _candidates(info, s, L)]
+    out += [Address(s.name) for s in sites if not s.per_layer and not s.before_layers]
     return [a for a in out if _served(a, info, caps)]
 
 
@@ -207,6 +210,7 @@ def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
         return found
     if isinstance(point, str):
         name, *coords = point.strip().split(".")
+        name = our_name(name)
         site = SITES.get(name)
         whole = site is not None and ((site.per_layer and not coords) or (site.per_stream and len(coords) == 1))
         if whole:

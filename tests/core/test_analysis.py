@@ -100,8 +100,9 @@ def test_whole_sites_filters_and_points(model):
     info = model.info
     assert model.points("resid_post") == [Address("resid_post", L) for L in range(info.n_layers)]
     everything = model.points()
-    assert [a.name for a in everything[-2:]] == ["final_norm", "logits"]
-    assert [a.layer for a in everything[:-2]] == sorted(a.layer for a in everything[:-2])
+    assert everything[0].name == "embeddings"
+    assert [a.name for a in everything[-4:]] == ["ln_final_normalized", "final_norm", "lm_head", "logits"]
+    assert [a.layer for a in everything[1:-4]] == sorted(a.layer for a in everything[1:-4])
     tokens = model.to_tokens("sites")
     cache = run_with_cache(model, tokens, ["resid_post", "resid_streams.1", lambda a: a.name == "z" and a.layer > 0])
     assert [str(a) for a in cache] == ([f"resid_post.{L}" for L in range(info.n_layers)] + ["resid_streams.1.0"]

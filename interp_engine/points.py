@@ -93,7 +93,7 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             f"or attn_out_post / mlp_out_post for what each block writes (see docs/MOE.md)"
         )
     if info.sites and address.name not in info.sites:
-        why = dict(info.refused).get(address.name, "its module is laid out differently there")
+        why = dict(info.refused).get(address.name, site.absent or "its module is laid out differently there")
         raise AddressError(
             f"{format_address(address)!r}: the {info.family or info.name} family table has no {address.name!r} "
             f"({why}); valid sites: {', '.join(valid_sites(info, caps))}"

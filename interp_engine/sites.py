@@ -39,6 +39,8 @@ class Site:
     unembedding: bool = False
     #: a model-level site computed before the first layer (forward order lists it first)
     before_layers: bool = False
+    #: why a family table without this site has none, where that is the usual reason
+    absent: str = ""
 
 
 _SELECTION = (
@@ -75,6 +77,11 @@ SITES: dict[str, Site] = {
              single_stream=True),
         Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection",
              attention=True),
+        *(Site(f"{x}_norm_{io}", f"[b, p, {h}, d_head] or [b, p, {h} * d_head]",
+               f"the {x} norm's {'input' if io == 'in' else 'output'} (before rotary), in the layout the family "
+               f"applies it: per head (Qwen3, Gemma 3) or over all heads (OLMo 2 / 3)", attention=True,
+               absent="this family has no qk-norm (q / k are the projections, after rotary)")
+          for x, h in (("q", "n_heads"), ("k", "n_kv_heads")) for io in ("in", "out")),
         Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)",
              attention=True),
         Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)",

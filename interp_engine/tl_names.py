@@ -55,6 +55,7 @@ TL_HOOKS: dict[str, str] = {
     "mlp_pre": "blocks.{L}.mlp.hook_pre",
     "mlp_pre_linear": "blocks.{L}.mlp.hook_pre_linear",
     "ln_final_normalized": "ln_final.hook_normalized",
+    **{f"{x}_norm_{io}": f"blocks.{{L}}.attn.{x}_norm.hook_{io}" for x in "qk" for io in ("in", "out")},
     "final_norm": "ln_final.hook_out",
 }
 

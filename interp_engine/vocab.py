@@ -24,12 +24,6 @@ PEER_ONLY = {
                    "per KV head, [b, p, n_kv_heads, d_head] (v.L.flatten(-2) is the peer's value.L)"),
     "attn_scores": ("pattern", "the pre-softmax attention scores are not a point here yet; pattern.L is their softmax "
                                "(the peer's attn_probs)"),
-    "q_norm_in": ("q", "the qk-norm's input is not a point here yet; q.L is the queries after the qk-norm and rotary"),
-    "q_norm_out": ("q", "the qk-norm's output before rotary is not a point here yet; q.L is the queries after the "
-                        "qk-norm and rotary"),
-    "k_norm_in": ("k", "the qk-norm's input is not a point here yet; k.L is the keys after the qk-norm and rotary"),
-    "k_norm_out": ("k", "the qk-norm's output before rotary is not a point here yet; k.L is the keys after the "
-                        "qk-norm and rotary"),
     "attn_gate": ("z", "a gated attention's raw gate projection is not a point here; z.L is the output projection's "
                        "input, after the gate (Qwen3.5 / Qwen3-Next)"),
     **{name: ("resid_streams", "the hyper-connection internals are not points here; resid_streams.L.S is stream S "

@@ -47,11 +47,11 @@ class Hook:
     shard: str = ""
 
 
-#: tensor layouts a hook may read; b batch, p position, s stream, d features; ``(b p)`` is the
+#: tensor layouts a hook may read; b batch, p position, s stream, h head, d features; ``(b p)`` is the
 #: flattened tokens (vLLM's flat batch is always that: its recorder reads rows of it); ``1 (b p) ...``
 #: is vLLM's flat batch inside a batch axis of one (the Hugging Face modules that vLLM's
 #: Transformers backend runs)
-LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...")
+LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...", "b h p d")
 
 #: the layout of a vLLM read inside a batch axis of one (see ``LAYOUTS``)
 ONE = "1 (b p) ..."

@@ -5,6 +5,8 @@ supported on both backends by adding its ``model_type`` to the Llama row."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import vllm_reads
 from .base import Arch, Hook
 
@@ -18,6 +20,12 @@ BLOCK_INPUTS = {
     "ln1_normalized": Hook("input_layernorm", "normalized"),
     "ln2_normalized": Hook("post_attention_layernorm", "normalized"),
 }
+
+#: the q / k norms inside attention (Qwen3, Gemma 3, OLMo 2 / 3, the hybrids' attention layers)
+QK_NORMS = {f"{x}_norm_{io}": Hook(f"self_attn.{x}_norm", io) for x in ("q", "k") for io in ("in", "out")}
+
+#: Gemma 3 applies them per head after moving the heads before the positions (``[b, heads, p, d_head]``)
+QK_NORMS_HEADS_FIRST = {name: dataclasses.replace(hook, layout="b h p d") for name, hook in QK_NORMS.items()}
 
 #: a gated MLP with separate gate and up projections: ``act(gate(x)) * up(x)``
 GATED_MLP = {"mlp_pre": Hook("mlp.gate_proj", "out"), "mlp_pre_linear": Hook("mlp.up_proj", "out")}
@@ -52,8 +60,13 @@ GEMMA2_SITES = {
     **GATED_MLP,
 }
 
+#: Qwen3 normalises each head's query and key before rotary
+QWEN3_SITES = {**LLAMA_SITES, **GATED_MLP, **QK_NORMS}
+
 ARCHS = (
-    Arch("llama", ("llama", "mistral", "qwen2", "qwen3"), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
+    Arch("llama", ("llama", "mistral", "qwen2"), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
+    # Qwen3 is Llama's record plus its q / k norms
+    Arch("llama", ("qwen3",), QWEN3_SITES, vllm=vllm_reads.LLAMA),
     # Phi-3 is Llama's record but for its fused gate / up projection
     Arch("llama", ("phi3",), LLAMA_SITES, vllm=vllm_reads.LLAMA, refused=FUSED_GATE_UP),
     Arch("gemma2", ("gemma2",), GEMMA2_SITES, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),

@@ -24,7 +24,7 @@ q / k norms and rotary (partial rotary: ``partial_rotary_factor``), as the score
 from __future__ import annotations
 
 from .base import Arch, Hook
-from .dense import ATTENTION, BLOCK_INPUTS, GATED_MLP
+from .dense import ATTENTION, BLOCK_INPUTS, GATED_MLP, QK_NORMS
 from .moe import ROUTER_SITES
 
 _SITES = {
@@ -38,6 +38,7 @@ _SITES = {
     "z": Hook("self_attn.o_proj", "in"),
     "resid_streams": Hook("", "out"),
     **ATTENTION,
+    **QK_NORMS,
 }
 
 #: the layer kinds whose token mixer is softmax attention

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from . import vllm_reads
 from .base import ONE, Arch, Hook
-from .dense import ATTENTION, GATED_MLP, GEMMA2_SITES, LLAMA_SITES
+from .dense import ATTENTION, GATED_MLP, GEMMA2_SITES, LLAMA_SITES, QK_NORMS, QK_NORMS_HEADS_FIRST
 from .gpt import NO_QKV_ON_TRANSFORMERS_BACKEND
 
 #: OLMo 2 / 3: no pre-norms, so the MLP's input is ``resid_mid`` itself.
@@ -33,6 +33,7 @@ OLMO2_SITES = {
     "attn_in": Hook("self_attn", "in"),
     "mlp_in": Hook("mlp", "in"),
     **GATED_MLP,
+    **QK_NORMS,
     "attn_out": Hook("self_attn", "out"),
     "attn_out_post": Hook("post_attention_layernorm", "out"),
     "resid_mid": Hook("mlp", "in"),
@@ -68,7 +69,7 @@ _OLMO_ON_VLLM = dict(vllm=OLMO2_VLLM, vllm_transformers_backend=True,
 
 ARCHS = (
     Arch("gemma", ("gemma",), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
-    Arch("gemma3", ("gemma3_text",), GEMMA2_SITES, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
+    Arch("gemma3", ("gemma3_text",), {**GEMMA2_SITES, **QK_NORMS_HEADS_FIRST}, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
     Arch("olmo2", ("olmo2",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
     Arch("olmo3", ("olmo3",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
 )

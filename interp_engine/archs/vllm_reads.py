@@ -88,6 +88,8 @@ EAGER_ONLY = {
     "ln_final_normalized": _NOT_WIRED.format(how="vLLM's final norm is fused with the residual add"),
     "mlp_pre": _NOT_WIRED.format(how="vLLM fuses the gate and up projections into one gate_up_proj"),
     "mlp_pre_linear": _NOT_WIRED.format(how="vLLM fuses the gate and up projections into one gate_up_proj"),
+    **{f"{x}_norm_{io}": _NOT_WIRED.format(how="the q / k norms run inside vLLM's attention module") for x in "qk"
+       for io in ("in", "out")},
     "embeddings": _NOT_WIRED.format(how="the embedding is vocabulary-parallel under tensor parallelism"),
     "lm_head": _NOT_WIRED.format(how="vLLM's compute_logits folds the final softcapping into the unembedding; "
                                      "logits is served"),

@@ -195,3 +195,44 @@ def test_embeddings_is_the_token_embedding_before_positions(model, family):
     if family == "gpt2":
         positions = model.hf.transformer.wpe.weight[: tokens.shape[1]]
         assert_near(cache["resid_pre.0"], rows + positions, "resid_pre.0 = embeddings + positions", REL_SAME)
+
+
+#: where each family applies its q / k norms (written out from transformers 5.19): per head on
+#: ``[b, p, heads, d_head]`` (Gemma 3 on ``[b, heads, p, d_head]``, served as ``[b, p, heads, d_head]``),
+#: or over all heads on ``[b, p, heads * d_head]``
+QK_NORM = {"qwen3": "head", "gemma3": "heads first", "olmo2": "all"}
+
+
+@pytest.mark.parametrize("family", sorted(QK_NORM))
+def test_qk_norm_points_are_the_norms_own_input_and_output(family, eager_models):
+    """``q_norm_in`` / ``q_norm_out`` / ``k_norm_*`` are what the family's q / k norm modules take and
+    give, in the layout they apply them (the peer's shapes); ``q`` is ``q_norm_out`` after rotary,
+    so the two agree at position 0, where rotary is the identity."""
+    model = eager_models(family)
+    tokens = model.to_tokens(PROMPTS[0])
+    n = model.n_layers
+    seen, handles = {}, []
+    for L, layer in enumerate(model.hf.model.layers):
+        for x in ("q", "k"):
+            norm = layer.self_attn.get_submodule(f"{x}_norm")
+            handles.append(norm.register_forward_pre_hook(
+                lambda m, args, L=L, x=x: seen.__setitem__((L, x, "in"), args[0].detach().clone())))
+            handles.append(norm.register_forward_hook(
+                lambda m, args, out, L=L, x=x: seen.__setitem__((L, x, "out"), out.detach().clone())))
+    try:
+        cache = run_with_cache(model, tokens, [f"{x}_norm_{io}.{L}" for x in "qk" for io in ("in", "out")
+                                               for L in range(n)] + [f"q.{L}" for L in range(n)])
+    finally:
+        for h in handles:
+            h.remove()
+    heads = QK_NORM[family] != "all"
+    for L in range(n):
+        for x in ("q", "k"):
+            for io in ("in", "out"):
+                got = cache.get(f"{x}_norm_{io}", L)
+                want = seen[(L, x, io)].transpose(1, 2) if QK_NORM[family] == "heads first" else seen[(L, x, io)]
+                assert_near(got, want, f"{x}_norm_{io}.{L}", REL_SAME)
+                assert got.dim() == (4 if heads else 3)
+        q_out = cache.get("q_norm_out", L)
+        per_head = q_out if heads else q_out.unflatten(-1, (model.n_heads, -1))
+        assert_near(cache.get("q", L)[:, 0], per_head[:, 0], f"q.{L} at position 0", 1e-5)

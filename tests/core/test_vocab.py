@@ -29,7 +29,7 @@ def test_the_peers_exact_synonyms_are_our_points(model):
 @pytest.mark.parametrize("name, words", [
     ("value.1", r"closest is 'v'.*\[b, p, n_kv_heads \* d_head\].*v.L.flatten\(-2\)"),
     ("attn_scores.1", r"closest is 'pattern'.*pre-softmax"),
-    ("q_norm_out.1", r"closest is 'q'.*before rotary"),
+    ("q_norm_out.1", r"has no 'q_norm_out' \(this family has no qk-norm"),
     ("attn_stream_mix.1", r"closest is 'resid_streams'"),
     ("resid_psot.1", r"unknown site 'resid_psot' \(did you mean 'resid_post'\?\); known sites: resid_pre"),
     ("mlp_acts.1", r"did you mean 'mlp_act'\?"),

@@ -71,6 +71,7 @@ _LAYOUTS = {
     "b p s d": lambda t, batch, s, n: t[:, :, s].clone(),
     "s b p d": lambda t, batch, s, n: t[s].clone(),
     "b p (s d)": lambda t, batch, s, n: t.unflatten(-1, (n, -1))[:, :, s].clone(),
+    "b h p d": lambda t, batch, s, n: t.transpose(1, 2),
 }
 
 

@@ -41,6 +41,8 @@ class Site:
     before_layers: bool = False
     #: why a family table without this site has none, where that is the usual reason
     absent: str = ""
+    #: keys a query cannot see hold the dtype's minimum (pre-softmax scores), not zero
+    masked_min: bool = False
 
 
 _SELECTION = (
@@ -87,6 +89,9 @@ SITES: dict[str, Site] = {
         Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)",
              attention=True),
         Site("v", "[b, p, n_kv_heads, d_head]", "values", attention=True),
+        Site("attn_scores", "[b, n_heads, q_pos, k_pos]", "pre-softmax attention scores: q k^T scaled, after any "
+             "attention logit softcap, plus the mask (keys a query cannot see: the dtype's minimum)",
+             needs_pattern=True, position_axes=(2, 3), attention=True, masked_min=True),
         Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", needs_pattern=True,
              position_axes=(2, 3), attention=True),
         Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),

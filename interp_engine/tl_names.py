@@ -70,8 +70,9 @@ CLOSEST: dict[str, tuple[str, str]] = {
                                     "blocks.{L}.attn.hook_rot_q); the pre-rotary queries are not a point here"),
     "blocks.{L}.attn.hook_k": ("k", "k.{L} is the keys after qk-norm and rotary (TransformerLens's "
                                     "blocks.{L}.attn.hook_rot_k); the pre-rotary keys are not a point here"),
-    "blocks.{L}.attn.hook_attn_scores": ("pattern", "pattern.{L} is the attention probabilities (after the "
-                                                    "softmax); the scores before it are not a point here"),
+    "blocks.{L}.attn.hook_attn_scores": ("attn_scores", "attn_scores.{L} is the same scores except where a query "
+                                                        "cannot see a key: the dtype's minimum there, -inf in "
+                                                        "TransformerLens (both softmax to zero)"),
     "blocks.{L}.attn.hook_result": ("z", "capture z.{L} and call head_contributions(model, cache, {L}) for "
                                          "each head's output through the output projection"),
     "blocks.{L}.hook_attn_in": ("resid_pre", "TransformerLens's hook_attn_in is resid_pre.{L} repeated per head; "

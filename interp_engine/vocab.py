@@ -22,8 +22,6 @@ ALIASES = {"attn_probs": "pattern", "mlp_act": "mlp_post"}
 PEER_ONLY = {
     "value": ("v", "the peer's value.L is the values flat, [b, p, n_kv_heads * d_head]; here v.L is the same numbers "
                    "per KV head, [b, p, n_kv_heads, d_head] (v.L.flatten(-2) is the peer's value.L)"),
-    "attn_scores": ("pattern", "the pre-softmax attention scores are not a point here yet; pattern.L is their softmax "
-                               "(the peer's attn_probs)"),
     "attn_gate": ("z", "a gated attention's raw gate projection is not a point here; z.L is the output projection's "
                        "input, after the gate (Qwen3.5 / Qwen3-Next)"),
     **{name: ("resid_streams", "the hyper-connection internals are not points here; resid_streams.L.S is stream S "

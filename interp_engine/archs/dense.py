@@ -10,7 +10,7 @@ import dataclasses
 from . import vllm_reads
 from .base import Arch, Hook
 
-ATTENTION = {name: Hook("self_attn", "attention") for name in ("q", "k", "v", "pattern")}
+ATTENTION = {name: Hook("self_attn", "attention") for name in ("q", "k", "v", "pattern", "attn_scores")}
 
 #: what each block is handed and the pre-norms' outputs before their gain, in a layer with Llama's
 #: module names (``mlp_in`` is the MoE block's input on an MoE layer)

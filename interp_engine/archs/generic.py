@@ -182,7 +182,7 @@ def _prove(hf, model_type: str, probe: _Probe, out, found: dict) -> Arch:
         raise _refuse(hf, f"no final norm among {found['norms'] or 'the modules beside the layers'} gives the "
                           f"model's logits from the last layer's output through {found['unembed']}")
     sites = {"resid_pre": Hook("", "in"), "resid_post": Hook("", "out"), "resid_streams": Hook("", "out")}
-    refused = {name: NO_ATTENTION_INTERNALS for name in ("q", "k", "v", "pattern")}
+    refused = {name: NO_ATTENTION_INTERNALS for name in ("q", "k", "v", "pattern", "attn_scores")}
     attn, mlp = found["attn"], found["mlp"]
     a_out = [probe.get(f"{i}.{attn}", "out") for i in range(n)] if attn else None
     m_out = [probe.get(f"{i}.{mlp}", "out") for i in range(n)] if mlp else None

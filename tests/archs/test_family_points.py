@@ -236,3 +236,40 @@ def test_qk_norm_points_are_the_norms_own_input_and_output(family, eager_models)
         q_out = cache.get("q_norm_out", L)
         per_head = q_out if heads else q_out.unflatten(-1, (model.n_heads, -1))
         assert_near(cache.get("q", L)[:, 0], per_head[:, 0], f"q.{L} at position 0", 1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek_v3"])
+def test_attn_scores_are_what_the_softmax_takes(family, eager_models):
+    """``attn_scores`` against two oracles: written out from the captured ``q`` / ``k`` (``q k^T``
+    over sqrt of the head width, through Gemma 2's attention softcap, where the query may see
+    the key), and its softmax is ``pattern`` (GPT-OSS: with each head's sink as one more column,
+    dropped after). Keys a query cannot see hold the dtype's minimum."""
+    model = eager_models(family)
+    tokens = model.to_tokens(PROMPTS[0])
+    L = model.n_layers - 1
+    attention = model.hf.model.layers[L].self_attn
+    cap = getattr(attention, "attn_logit_softcapping", None)
+    if cap:  # the tiny model's scores are far below its cap of 50: a cap of 0.2 makes it bite
+        attention.attn_logit_softcapping = cap = 0.2
+    try:
+        cache = run_with_cache(model, tokens, [f"{s}.{L}" for s in ("attn_scores", "pattern", "q", "k")])
+    finally:
+        if cap:
+            attention.attn_logit_softcapping = model.hf.config.attn_logit_softcapping
+    scores, pattern = cache.get("attn_scores", L), cache.get("pattern", L)
+    if family == "gpt_oss":
+        sinks = attention.sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    assert_near(probs, pattern, f"softmax(attn_scores.{L})", 1e-5)
+    q, k = cache.get("q", L).transpose(1, 2), cache.get("k", L).transpose(1, 2)  # [b, heads, p, d]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    manual = q @ k.transpose(-1, -2) * attention.scaling
+    if cap:
+        manual = torch.tanh(manual / cap) * cap
+    seen = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()
+    if getattr(attention, "sliding_window", None):
+        seen &= ~torch.ones_like(seen).tril(-attention.sliding_window)
+    assert_near(scores[..., seen], manual[..., seen], f"attn_scores.{L} = q k^T * scaling", 1e-5)
+    assert torch.all(scores[..., ~seen] == torch.finfo(scores.dtype).min)

@@ -56,7 +56,7 @@ def test_a_tl_name_reads_as_our_address_and_back(name):
     ("blocks.1.hook_mlp_in", r"'resid_mid.1'.*mlp_in.1"),
     ("blocks.3.attn.hook_q", r"'q.3': q.3 is the queries after qk-norm and rotary .*hook_rot_q"),
     ("blocks.3.attn.hook_k", "'k.3'"),
-    ("blocks.2.attn.hook_attn_scores", "'pattern.2'"),
+    ("blocks.2.attn.hook_attn_scores", "'attn_scores.2'.*-inf"),
     ("blocks.2.attn.hook_result", r"'z.2'.*head_contributions\(model, cache, 2\)"),
     ("blocks.3.hook_resid_psot", r"Did you mean 'blocks.3.hook_resid_post' \(here 'resid_post.3'\)"),
     ("blocks.3.ln1.hook_normalised", r"Did you mean 'blocks.3.ln1.hook_normalized' \(here 'ln1_normalized.3'\)"),

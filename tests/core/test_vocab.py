@@ -28,12 +28,13 @@ def test_the_peers_exact_synonyms_are_our_points(model):
 
 @pytest.mark.parametrize("name, words", [
     ("value.1", r"closest is 'v'.*\[b, p, n_kv_heads \* d_head\].*v.L.flatten\(-2\)"),
-    ("attn_scores.1", r"closest is 'pattern'.*pre-softmax"),
+    ("attn_gate.1", r"closest is 'z'.*after the gate"),
     ("q_norm_out.1", r"has no 'q_norm_out' \(this family has no qk-norm"),
     ("attn_stream_mix.1", r"closest is 'resid_streams'"),
     ("resid_psot.1", r"unknown site 'resid_psot' \(did you mean 'resid_post'\?\); known sites: resid_pre"),
     ("mlp_acts.1", r"did you mean 'mlp_act'\?"),
-    ("attn_score.1", r"did you mean 'attn_scores'\?.*closest is 'pattern'"),
+    ("attn_score.1", r"did you mean 'attn_scores'\?"),
+    ("valeu.1", r"did you mean 'value'\? 'value' is decoderesearch interp-engine's name"),
     ("ln2_normalised.1", r"did you mean 'ln2_normalized'\?"),
     ("resid_mid.1.stream-2", r"resid_streams.1.2"),
     ("resid_pre.0.stream-1", r"entering layer 0.*resid_streams.0.1"),

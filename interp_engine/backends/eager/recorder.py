@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from interp_engine.address import Address
+from interp_engine.address import SITES, Address
 from interp_engine.points import ModelInfo
 from interp_engine.archs import Arch, group_sites
 from interp_engine.archs.base import layer_module
@@ -114,7 +114,7 @@ class Recorder:
 
     @property
     def needs_pattern(self) -> bool:
-        return any(a.name == "pattern" for a in [*self.addresses, *self.edits])
+        return any(getattr(SITES.get(a.name), "needs_pattern", False) for a in [*self.addresses, *self.edits])
 
     def __enter__(self):
         try:
@@ -298,13 +298,15 @@ class Recorder:
         return hook
 
     def _attention_listener(self, addresses):
-        def listener(query, key, value, weights):
+        def listener(query, key, value, weights, scores):
             q_len = query.shape[2]
             # With a KV cache the keys and values hold every past position; keep this step's.
             seen = {"q": query, "k": key[:, :, -q_len:], "v": value[:, :, -q_len:]}
             for a in addresses:
                 if a.name == "pattern":
                     self.keep(a, weights)
+                elif a.name == "attn_scores":
+                    self.keep(a, scores())
                 else:
                     self.keep(a, seen[a.name].transpose(1, 2))
 
@@ -320,7 +322,8 @@ class Recorder:
             chunks = self.chunks[address]
             if len(address.position_axes) > 1:  # keys too (pattern): each step sees more of them
                 width = chunks[-1].shape[-1]
-                chunks = [F.pad(c, (0, width - c.shape[-1])) for c in chunks]
+                fill = torch.finfo(chunks[-1].dtype).min if SITES[address.name].masked_min else 0.0
+                chunks = [F.pad(c, (0, width - c.shape[-1]), value=fill) for c in chunks]
                 out[address] = torch.cat(chunks, dim=address.query_axis) if len(chunks) > 1 else chunks[0]
             else:
                 out[address] = torch.cat(chunks, dim=address.query_axis) if len(chunks) > 1 else chunks[0]

@@ -119,7 +119,8 @@ _NEOX = dict(
 ARCHS = (
     Arch("gpt2", ("gpt2",), GPT2_SITES, layers="transformer.h", final_norm="transformer.ln_f",
          embed="transformer.wte", attention="attn", o_proj="attn.c_proj", weights="in_out",
-         vllm=GPT2_VLLM, vllm_attention="attn.attn", d_mlp_from=("n_inner",), d_mlp_ratio=4, refused={**_NOT_GATED, **_GPT2_SCORES},
+         vllm=GPT2_VLLM, vllm_attention="attn.attn", d_mlp_from=("n_inner",), d_mlp_ratio=4,
+         refused={**_NOT_GATED, **_GPT2_SCORES},
          d_head_from=(), n_kv_heads_from=(),
          # the record reads q / k / v through the attention interface and knows one decoder only
          matches=lambda c: not c.reorder_and_upcast_attn and not c.add_cross_attention),

@@ -56,5 +56,6 @@ VLLM_SITES = {
     "router_logits": Hook("mlp.router", "out", parts=(0,)),
 }
 
-ARCHS = (Arch("gpt_oss", ("gpt_oss",), GPT_OSS_SITES, refused={name: _MOE_ONLY for name in ("mlp_post", "mlp_pre", "mlp_pre_linear")}, vllm=VLLM_SITES,
+ARCHS = (Arch("gpt_oss", ("gpt_oss",), GPT_OSS_SITES,
+              refused={name: _MOE_ONLY for name in ("mlp_post", "mlp_pre", "mlp_pre_linear")}, vllm=VLLM_SITES,
               vllm_attention="attn.attn", vllm_paths={"o_proj": "attn.o_proj"}),)

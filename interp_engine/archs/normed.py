@@ -69,7 +69,8 @@ _OLMO_ON_VLLM = dict(vllm=OLMO2_VLLM, vllm_transformers_backend=True,
 
 ARCHS = (
     Arch("gemma", ("gemma",), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
-    Arch("gemma3", ("gemma3_text",), {**GEMMA2_SITES, **QK_NORMS_HEADS_FIRST}, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
+    Arch("gemma3", ("gemma3_text",), {**GEMMA2_SITES, **QK_NORMS_HEADS_FIRST}, logit_softcap="final_logit_softcapping",
+         vllm=vllm_reads.GEMMA2),
     Arch("olmo2", ("olmo2",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
     Arch("olmo3", ("olmo3",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
 )

@@ -33,7 +33,7 @@ print(model.to_str_tokens(tokens))
 # positions are never copied out of the forward pass.
 
 # %%
-points = ["blocks.0.hook_resid_pre", "resid_post", "attn_out", "mlp_out", "z", "logits"]  # TL names or ours
+points = ["blocks.0.hook_resid_pre", "resid_post", "attn_out_post", "mlp_out_post", "z", "logits"]  # TL names or ours
 cache = run_with_cache(model, tokens, points, positions=-1)
 print(cache)
 assert len(model.points("resid_post")) == model.cfg.n_layers == 30
@@ -104,7 +104,7 @@ for L in range(model.n_layers):
     score = logit_attribution(model, cache, answer_id, components=heads)
     score -= logit_attribution(model, cache, int(alternative), components=heads)
     per_head.append(score[:, 0, -1])
-    assert torch.allclose(score.sum(0)[0, -1], diff[labels.index(f"attn_out.{L}")], rtol=1e-3, atol=1e-3)
+    assert torch.allclose(score.sum(0)[0, -1], diff[labels.index(f"attn_out_post.{L}")], rtol=1e-3, atol=1e-3)
 per_head = torch.stack(per_head)  # [layers, heads]
 best = per_head.flatten().argsort(descending=True)[:3]
 print("top heads:", ", ".join(f"L{int(i) // model.n_heads}H{int(i) % model.n_heads} ({float(per_head.flatten()[i]):+.2f})"

@@ -20,6 +20,7 @@ from .sites import Site as Site
 from .errors import AddressError, shown
 from .scalars import integer
 from .tl_names import from_tl_name, is_tl_name
+from .vocab import ALIASES, unknown_site
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -32,8 +33,11 @@ class Address:
     stream: int | None = None
 
     def __post_init__(self):
+        if isinstance(self.name, str) and self.name in ALIASES:  # the peer's exact synonyms: the same point
+            object.__setattr__(self, "name", ALIASES[self.name])
         if self.name not in SITES:
-            raise AddressError(f"unknown site {self.name!r}; known sites: {', '.join(SITES)}")
+            raise AddressError(unknown_site(self.name) if isinstance(self.name, str)
+                               else f"a site name is a string such as 'resid_post', got {shown(self.name)}")
         site = SITES[self.name]
         for field in ("layer", "stream"):
             value = getattr(self, field)
@@ -155,6 +159,8 @@ def parse_address(text: str) -> Address:
     if is_tl_name(text.strip()):
         return Address(*from_tl_name(text))
     name, *coords = text.strip().split(".")
+    if coords and coords[-1].startswith("stream-"):
+        return _stream_form(text, name, coords)
     try:
         numbers = [int(c) for c in coords]
     except ValueError:
@@ -165,6 +171,35 @@ def parse_address(text: str) -> Address:
     if len(numbers) > 2:
         raise AddressError(f"cannot parse {text!r}: at most a layer and a stream follow the name")
     return Address(name, *numbers)
+
+
+#: the residual points decoderesearch's interp-engine qualifies by a stream (``resid_post.5.stream-2``)
+#: -> which ``resid_streams`` layer holds that stream, relative to the point's layer (None: none does)
+_STREAM_OF = {"resid_post": 0, "resid_pre": -1, "resid_mid": None}
+
+
+def _stream_form(text: str, name: str, coords: list[str]) -> Address:
+    """The peer's string form ``resid_post.L.stream-S``: stream S of a multi-stream residual, our
+    ``resid_streams.L.S`` (``resid_pre.L.stream-S`` is ``resid_streams.(L-1).S``)."""
+    try:
+        layer, stream = int(coords[0]), int(coords[1][len("stream-"):])
+        if len(coords) != 2:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise AddressError(f"cannot parse {text!r}: the stream form is name.layer.stream-S, e.g. "
+                           f"'resid_post.5.stream-2' (here: 'resid_streams.5.2')") from None
+    if name not in _STREAM_OF:
+        raise AddressError(f"cannot parse {text!r}: only resid_pre / resid_post take a stream-S coordinate; "
+                           f"the streams after layer L are resid_streams.L.S")
+    shift = _STREAM_OF[name]
+    if shift is None:
+        raise AddressError(f"{text!r}: there is no one stream stack between a multi-stream layer's two blocks to "
+                           f"read stream {stream} of; the streams after layer {layer} are "
+                           f"'resid_streams.{layer}.{stream}' (see docs/MOE.md)")
+    if layer + shift < 0 <= layer:
+        raise AddressError(f"{text!r}: the streams entering layer 0 (the embedding's) are not a point; the streams "
+                           f"after layer 0 are 'resid_streams.0.{stream}'")
+    return Address("resid_streams", layer + shift, stream)
 
 
 def _parse_feature(text: str, site: Address, last: str) -> FeatureAddress:

@@ -2,7 +2,7 @@
 
 The cache stays data; these read it. ``stack`` puts one site's layers together,
 ``accumulated_resid`` is the residual stream layer by layer (``resid_pre.L`` at entry ``L``),
-``decompose_resid`` splits it into what wrote it (embedding, every ``attn_out`` and ``mlp_out``,
+``decompose_resid`` splits it into what wrote it (embedding, every ``attn_out_post`` and ``mlp_out_post``,
 summing back to it), and ``logit_attribution`` says how much each piece adds to a token's logit.
 """
 
@@ -132,18 +132,19 @@ def accumulated_resid(cache: Cache, layer: int | None = None, *, apply_ln: bool 
 
 def decompose_resid(cache: Cache, layer: int | None = None, *, model=None, return_labels: bool = False):
     """The residual stream entering ``layer`` (default: the final ``resid_post``) as the sum of what
-    wrote it: the embedding (``resid_pre.0``), then ``attn_out.L`` and ``mlp_out.L`` of every
-    earlier layer, ``[components, batch, pos, d_model]``. Summed over components it is that
-    residual stream.
+    wrote it: the embedding (``resid_pre.0``), then ``attn_out_post.L`` and ``mlp_out_post.L`` (what
+    each block adds to the residual, after any post-block norm) of every earlier layer,
+    ``[components, batch, pos, d_model]``. Summed over components it is that residual stream.
 
     ``layer`` runs over ``0..n_layers`` (``n_layers``: the final ``resid_post``). ``n_layers`` is
     the model's where ``model=`` is given, else read from the deepest layer the cache holds
     anything at. A cache that lacks a component is refused, naming what it lacks."""
     n, known = layer_count(cache, model)
     upto = n if layer is None else check_layer("decompose_resid", layer, n, "the final resid_post", known)
-    needed = [Address("resid_pre", 0)] + [Address(site, L) for L in range(upto) for site in ("attn_out", "mlp_out")]
+    needed = [Address("resid_pre", 0)] + [Address(site, L) for L in range(upto)
+                                           for site in ("attn_out_post", "mlp_out_post")]
     require_held(f"decompose_resid (layer={upto})", cache, needed,
-                 "capture them: run_with_cache(model, tokens, ['resid_pre.0', 'attn_out', 'mlp_out'])")
+                 "capture them: run_with_cache(model, tokens, ['resid_pre.0', 'attn_out_post', 'mlp_out_post'])")
     rows, labels = [cache[needed[0]]], ["embed"]
     for address in needed[1:]:
         rows.append(cache[address])

@@ -4,7 +4,7 @@ An analysis helper reads a cache and the model's weights. Given a cache that lac
 needs, a layer out of range, a token id outside the vocabulary or a tensor of another model's
 width, torch would either fail deep inside with a size-mismatch or an index error, or — worse —
 compute something else without a word (``-1`` reads the last vocabulary row; ``True`` is layer 1;
-a cache without ``attn_out`` decomposes into the embedding alone). So every argument is checked
+a cache without ``attn_out_post`` decomposes into the embedding alone). So every argument is checked
 here first, and the error says what is missing or wrong and how to fix it.
 
 A negative layer counts from the end of the helper's range, as Python indexing does: ``-1`` is

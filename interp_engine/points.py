@@ -17,6 +17,7 @@ from .address import Address, FeatureAddress, format_address, parse_address, to_
 from .capabilities import Capabilities
 from .errors import AddressError, shown
 from .scalars import integer
+from .vocab import our_name, unknown_site
 from .sites import SITES, Site
 
 
@@ -89,10 +90,10 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
             f"{format_address(address)!r}: {info.name}'s residual is {info.n_streams} streams, so there is no "
             f"single {address.name!r}; capture the streams, e.g. "
             f"{[format_address(Address('resid_streams', address.layer, s)) for s in range(info.n_streams)]}, "
-            f"or attn_out / mlp_out for what each block writes (see docs/MOE.md)"
+            f"or attn_out_post / mlp_out_post for what each block writes (see docs/MOE.md)"
         )
     if info.sites and address.name not in info.sites:
-        why = dict(info.refused).get(address.name, "its module is laid out differently there")
+        why = dict(info.refused).get(address.name, site.absent or "its module is laid out differently there")
         raise AddressError(
             f"{format_address(address)!r}: the {info.family or info.name} family table has no {address.name!r} "
             f"({why}); valid sites: {', '.join(valid_sites(info, caps))}"
@@ -130,7 +131,7 @@ def check_address(address: Address, info: ModelInfo, caps: Capabilities) -> None
                 f"{info.layer_kinds[address.layer]} layer (its token mixer is not softmax attention), so "
                 f"{address.name!r} exists only on its attention layers {list(info.attention_layers)} "
                 f"(layers: {kinds}). "
-                f"attn_out.{address.layer} is what that layer's token mixer adds to the residual"
+                f"attn_out_post.{address.layer} is what that layer's token mixer adds to the residual"
             )
         if site.dense_mlp and address.layer in info.moe_layers:
             dense = [i for i in range(info.n_layers) if i not in info.moe_layers]
@@ -181,15 +182,17 @@ def _served(address: Address, info: ModelInfo, caps: Capabilities) -> bool:
 
 
 def all_points(info: ModelInfo, caps: Capabilities, site: str | None = None) -> list[Address]:
-    """Every address the model serves on the backend of ``caps``, in forward order: layer by layer, the
-    sites of each layer in the order of :data:`SITES`, streams in order, ``logits`` last.
+    """Every address the model serves on the backend of ``caps``, in forward order: ``embeddings``, then
+    layer by layer, the sites of each layer in the order of :data:`SITES`, streams in order, ``logits`` last.
     ``site`` keeps one site's addresses (in layer order)."""
+    site = our_name(site) if isinstance(site, str) else site
     if site is not None and site not in SITES:
-        raise AddressError(f"unknown site {site!r}; known sites: {', '.join(SITES)}")
+        raise AddressError(unknown_site(site) if isinstance(site, str) else f"site must be a name, got {shown(site)}")
     sites = [SITES[site]] if site is not None else list(SITES.values())
     layered = [s for s in sites if s.per_layer]
-    out = [a for L in range(info.n_layers) for s in layered for a in _candidates(info, s, L)]
-    out += [Address(s.name) for s in sites if not s.per_layer]
+    out = [Address(s.name) for s in sites if not s.per_layer and s.before_layers]
+    out += [a for L in range(info.n_layers) for s in layered for a in _candidates(info, s, L)]
+    out += [Address(s.name) for s in sites if not s.per_layer and not s.before_layers]
     return [a for a in out if _served(a, info, caps)]
 
 
@@ -207,6 +210,7 @@ def _expand(point, info: ModelInfo, caps: Capabilities) -> list[Address]:
         return found
     if isinstance(point, str):
         name, *coords = point.strip().split(".")
+        name = our_name(name)
         site = SITES.get(name)
         whole = site is not None and ((site.per_layer and not coords) or (site.per_stream and len(coords) == 1))
         if whole:

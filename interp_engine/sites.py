@@ -34,6 +34,15 @@ class Site:
     fallback: str = ""
     #: the axes of a ``[batch, ...]`` tensor that run over positions, the query (or only) one first
     position_axes: tuple[int, ...] = (1,)
+    #: the unembedding's output at every position (a forward that computes only the last
+    #: position's logits does not form it)
+    unembedding: bool = False
+    #: a model-level site computed before the first layer (forward order lists it first)
+    before_layers: bool = False
+    #: why a family table without this site has none, where that is the usual reason
+    absent: str = ""
+    #: keys a query cannot see hold the dtype's minimum (pre-softmax scores), not zero
+    masked_min: bool = False
 
 
 _SELECTION = (
@@ -47,18 +56,42 @@ SITES: dict[str, Site] = {
     s.name: s
     for s in [
         Site("resid_pre", "[b, p, d_model]", "residual stream entering the layer", single_stream=True),
-        Site("attn_out", "[b, p, d_model]", "what the attention block adds to the residual"),
-        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out", single_stream=True),
-        Site("mlp_out", "[b, p, d_model]", "what the MLP / MoE block adds to the residual"),
-        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out = resid_pre of the next layer",
+        Site("ln1_normalized", "[b, p, d_model]", "the pre-attention norm's output before its gain (and bias): "
+             "TransformerLens's blocks.L.ln1.hook_normalized"),
+        Site("attn_in", "[b, p, d_model]", "what the attention block is handed: the pre-attention norm's output, "
+             "or resid_pre where the family has no such norm (OLMo 2 / 3)"),
+        Site("attn_out", "[b, p, d_model]", "the attention block's raw output, before any post-attention norm"),
+        Site("attn_out_post", "[b, p, d_model]", "what the attention block adds to the residual: attn_out after "
+             "any post-attention norm (attn_out itself where the family has none)"),
+        Site("resid_mid", "[b, p, d_model]", "resid_pre + attn_out_post", single_stream=True),
+        Site("ln2_normalized", "[b, p, d_model]", "the pre-MLP norm's output before its gain (and bias): "
+             "TransformerLens's blocks.L.ln2.hook_normalized"),
+        Site("mlp_in", "[b, p, d_model]", "what the MLP / MoE block is handed: the pre-MLP norm's output, or "
+             "resid_mid where the family has no such norm (OLMo 2 / 3)"),
+        Site("mlp_pre", "[b, p, d_mlp]", "the MLP's pre-activation: the gate projection's output in a gated MLP, "
+             "the input projection's in a plain one", dense_mlp=True),
+        Site("mlp_pre_linear", "[b, p, d_mlp]", "a gated MLP's linear (up) projection output, which multiplies "
+             "act(mlp_pre)", dense_mlp=True),
+        Site("mlp_out", "[b, p, d_model]", "the MLP / MoE block's raw output, before any post-feedforward norm"),
+        Site("mlp_out_post", "[b, p, d_model]", "what the MLP / MoE block adds to the residual: mlp_out after "
+             "any post-feedforward norm (mlp_out itself where the family has none)"),
+        Site("resid_post", "[b, p, d_model]", "resid_mid + mlp_out_post = resid_pre of the next layer",
              single_stream=True),
         Site("z", "[b, p, n_heads, d_head]", "per-head attention output, input of the output projection",
              attention=True),
+        *(Site(f"{x}_norm_{io}", f"[b, p, {h}, d_head] or [b, p, {h} * d_head]",
+               f"the {x} norm's {'input' if io == 'in' else 'output'} (before rotary), in the layout the family "
+               f"applies it: per head (Qwen3, Gemma 3) or over all heads (OLMo 2 / 3)", attention=True,
+               absent="this family has no qk-norm (q / k are the projections, after rotary)")
+          for x, h in (("q", "n_heads"), ("k", "n_kv_heads")) for io in ("in", "out")),
         Site("q", "[b, p, n_heads, d_head]", "queries as used in the scores (after qk-norm and rotary)",
              attention=True),
         Site("k", "[b, p, n_kv_heads, d_head]", "keys as used in the scores (after qk-norm and rotary)",
              attention=True),
         Site("v", "[b, p, n_kv_heads, d_head]", "values", attention=True),
+        Site("attn_scores", "[b, n_heads, q_pos, k_pos]", "pre-softmax attention scores: q k^T scaled, after any "
+             "attention logit softcap, plus the mask (keys a query cannot see: the dtype's minimum)",
+             needs_pattern=True, position_axes=(2, 3), attention=True, masked_min=True),
         Site("pattern", "[b, n_heads, q_pos, k_pos]", "attention probabilities", needs_pattern=True,
              position_axes=(2, 3), attention=True),
         Site("mlp_post", "[b, p, d_mlp]", "MLP hidden activation entering the down projection", dense_mlp=True),
@@ -66,11 +99,19 @@ SITES: dict[str, Site] = {
         Site("expert_weights", "[b, p, top_k]", "MoE routing weights actually used", moe=True, fallback=_SELECTION),
         Site("expert_indices", "[b, p, top_k]", "MoE experts actually selected", moe=True, fallback=_SELECTION),
         Site("resid_streams", "[b, p, d_model]", "stream S of the residual after the layer", per_stream=True),
+        Site("embeddings", "[b, p, d_model]", "the token embedding module's output (before any position embedding "
+             "the model adds after it, and any scale it applies outside the module)", per_layer=False,
+             before_layers=True),
+        Site("ln_final_normalized", "[b, p, d_model]", "the final norm's output before its gain (and bias): "
+             "TransformerLens's ln_final.hook_normalized", per_layer=False),
         Site("final_norm", "[b, p, d_model]", "the final norm's output: what the unembedding reads",
              per_layer=False),
-        Site("logits", "[b, p, vocab]", "final logits", per_layer=False),
+        Site("lm_head", "[b, p, vocab]", "the unembedding's output, before any final logit softcapping",
+             per_layer=False, unembedding=True),
+        Site("logits", "[b, p, vocab]", "final logits", per_layer=False, unembedding=True),
     ]
 }
 
-#: the model-level sites (no layer): every backend serves them, outside the per-family tables
-MODEL_LEVEL = frozenset(name for name, site in SITES.items() if not site.per_layer)
+#: the model-level sites every backend serves, outside the per-family tables (the other
+#: model-level sites are read from a module the family record names: ``Arch.sites``)
+MODEL_LEVEL = frozenset({"final_norm", "logits"})

@@ -7,10 +7,18 @@ is ``resid_post.10``. This module is the one table between the two grammars:
 ``format_address(a, style="tl")`` writes one through :func:`tl_name`. The dataset export for
 SAELens names its column with the same table.
 
-Only names whose tensor is exactly ours are in the table. TransformerLens's ``hook_q`` / ``hook_k``
+Only names whose tensor is exactly ours are in the table. TransformerLens's block-level
+``hook_attn_out`` / ``hook_mlp_out`` are what each block adds to the residual, after any post-block
+norm: our ``attn_out_post`` / ``mlp_out_post``; its bridge's ``attn.hook_out`` / ``mlp.hook_out`` are
+the blocks' raw outputs, our ``attn_out`` / ``mlp_out`` (the same tensors except on Gemma 2 / 3 / 3n
+and OLMo 2 / 3, which norm each block's output before the add). TransformerLens's ``hook_q`` / ``hook_k``
 are *before* rotary, ours after (``hook_rot_q`` / ``hook_rot_k``), so they are not the same point;
-names with no equivalent (the norms' inputs, ``hook_attn_scores``, ``hook_result``) are refused
-with the closest address this engine serves and how to get what the name meant.
+names with no equivalent (the norms' scales, ``hook_attn_scores``, ``hook_result``) are refused
+with the closest address this engine serves and how to get what the name meant. A norm's
+``hook_normalized`` is its output *before* its gain (``ln1_normalized`` / ``ln2_normalized`` /
+``ln_final_normalized``), not what the next block is handed (``attn_in`` / ``mlp_in`` /
+``final_norm``: after the gain); SAEs and transcoders trained on one read the wrong tensor from
+the other.
 
 ``model.cfg`` (:class:`TLConfig`) gives the model's facts under TransformerLens's config names.
 """
@@ -26,9 +34,11 @@ from .errors import AddressError
 #: our site name -> the TransformerLens hook name (``{L}``: the layer)
 TL_HOOKS: dict[str, str] = {
     "resid_pre": "blocks.{L}.hook_resid_pre",
-    "attn_out": "blocks.{L}.hook_attn_out",
+    "attn_out": "blocks.{L}.attn.hook_out",
+    "attn_out_post": "blocks.{L}.hook_attn_out",
     "resid_mid": "blocks.{L}.hook_resid_mid",
-    "mlp_out": "blocks.{L}.hook_mlp_out",
+    "mlp_out": "blocks.{L}.mlp.hook_out",
+    "mlp_out_post": "blocks.{L}.hook_mlp_out",
     "resid_post": "blocks.{L}.hook_resid_post",
     "z": "blocks.{L}.attn.hook_z",
     "q": "blocks.{L}.attn.hook_rot_q",
@@ -38,37 +48,43 @@ TL_HOOKS: dict[str, str] = {
     "mlp_post": "blocks.{L}.mlp.hook_post",
     "expert_weights": "blocks.{L}.mlp.hook_expert_weights",
     "expert_indices": "blocks.{L}.mlp.hook_expert_indices",
-    "final_norm": "ln_final.hook_normalized",
+    "attn_in": "blocks.{L}.attn.hook_in",
+    "mlp_in": "blocks.{L}.mlp.hook_in",
+    "ln1_normalized": "blocks.{L}.ln1.hook_normalized",
+    "ln2_normalized": "blocks.{L}.ln2.hook_normalized",
+    "mlp_pre": "blocks.{L}.mlp.hook_pre",
+    "mlp_pre_linear": "blocks.{L}.mlp.hook_pre_linear",
+    "ln_final_normalized": "ln_final.hook_normalized",
+    **{f"{x}_norm_{io}": f"blocks.{{L}}.attn.{x}_norm.hook_{io}" for x in "qk" for io in ("in", "out")},
+    "final_norm": "ln_final.hook_out",
 }
 
 #: TransformerLens names with no exact equivalent here -> (the closest site, what to do instead)
 CLOSEST: dict[str, tuple[str, str]] = {
-    "hook_embed": ("resid_pre", "the token embedding (times any embedding scale) is resid_pre.0 on these "
-                                "models, which have no positional embedding"),
+    "hook_embed": ("embeddings", "embeddings is the embedding module's output, TransformerLens's hook_embed except "
+                                 "where the module scales itself (Gemma's embeddings are times sqrt(d_model) there); "
+                                 "resid_pre.0 is what enters layer 0"),
     "hook_pos_embed": ("resid_pre", "these models have no positional embedding (rotary is inside attention); "
                                     "the stream after the embedding is resid_pre.0"),
     "blocks.{L}.attn.hook_q": ("q", "q.{L} is the queries after qk-norm and rotary (TransformerLens's "
                                     "blocks.{L}.attn.hook_rot_q); the pre-rotary queries are not a point here"),
     "blocks.{L}.attn.hook_k": ("k", "k.{L} is the keys after qk-norm and rotary (TransformerLens's "
                                     "blocks.{L}.attn.hook_rot_k); the pre-rotary keys are not a point here"),
-    "blocks.{L}.attn.hook_attn_scores": ("pattern", "pattern.{L} is the attention probabilities (after the "
-                                                    "softmax); the scores before it are not a point here"),
+    "blocks.{L}.attn.hook_attn_scores": ("attn_scores", "attn_scores.{L} is the same scores except where a query "
+                                                        "cannot see a key: the dtype's minimum there, -inf in "
+                                                        "TransformerLens (both softmax to zero)"),
     "blocks.{L}.attn.hook_result": ("z", "capture z.{L} and call head_contributions(model, cache, {L}) for "
                                          "each head's output through the output projection"),
-    "blocks.{L}.hook_attn_in": ("resid_pre", "attention reads resid_pre.{L} (through its norm)"),
+    "blocks.{L}.hook_attn_in": ("resid_pre", "TransformerLens's hook_attn_in is resid_pre.{L} repeated per head; "
+                                             "what attention is handed (after its norm) is attn_in.{L}"),
     "blocks.{L}.hook_q_input": ("resid_pre", "attention reads resid_pre.{L} (through its norm)"),
     "blocks.{L}.hook_k_input": ("resid_pre", "attention reads resid_pre.{L} (through its norm)"),
     "blocks.{L}.hook_v_input": ("resid_pre", "attention reads resid_pre.{L} (through its norm)"),
-    "blocks.{L}.hook_mlp_in": ("resid_mid", "the MLP reads resid_mid.{L} (through its norm)"),
-    "blocks.{L}.ln1.hook_normalized": ("resid_pre", "the norm's input is resid_pre.{L}; its output is not a point"),
+    "blocks.{L}.hook_mlp_in": ("resid_mid", "TransformerLens's hook_mlp_in is the residual before the MLP's norm, "
+                                            "resid_mid.{L}; what the MLP is handed (after it) is mlp_in.{L}"),
     "blocks.{L}.ln1.hook_scale": ("resid_pre", "the norm's input is resid_pre.{L}; its scale is not a point"),
-    "blocks.{L}.ln2.hook_normalized": ("resid_mid", "the norm's input is resid_mid.{L}; its output is not a point"),
     "blocks.{L}.ln2.hook_scale": ("resid_mid", "the norm's input is resid_mid.{L}; its scale is not a point"),
-    "blocks.{L}.mlp.hook_pre": ("mlp_post", "mlp_post.{L} is the hidden activation entering the down "
-                                            "projection (after the activation function and any gate)"),
     "ln_final.hook_scale": ("final_norm", "final_norm is the final norm's output; its scale is not a point"),
-    "blocks.{L}.mlp.hook_pre_linear": ("mlp_post", "mlp_post.{L} is the hidden activation entering the down "
-                                                   "projection (after the gate)"),
 }
 
 _BLOCK = re.compile(r"^blocks\.(-?\d+)\.(.+)$")

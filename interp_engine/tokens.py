@@ -123,16 +123,38 @@ def check_text(text: str, where: str = "the prompt") -> None:
         ) from None
 
 
+def _ids(row) -> bool:
+    return isinstance(row, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in row)
+
+
+def _as_tensor(tokens):
+    """A ``list[int]`` as ``[1, pos]`` and a list of them as a right-padded batch; anything else as given."""
+    if _ids(tokens) and tokens:
+        return torch.tensor([list(tokens)], dtype=torch.long)
+    if isinstance(tokens, (list, tuple)) and tokens and all(_ids(row) for row in tokens):
+        if any(i < 0 for row in tokens for i in row):
+            raise InputError("token id lists hold ids >= 0 (a batch of lists is right-padded here); got a negative id")
+        if not all(tokens):
+            raise InputError(f"empty prompt at batch row {[len(r) for r in tokens].index(0)}: every prompt needs a token")
+        return pad_batch([list(row) for row in tokens])
+    return tokens
+
+
 def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False, why: str = "") -> torch.Tensor:
     """Validate a token batch and return it as a ``[batch, pos]`` long tensor.
+
+    One prompt's ids may also come as a ``list[int]`` or a 1-D tensor (read as ``[1, pos]``, as
+    decoderesearch's interp-engine takes them), and a batch as a list of such lists (right-padded
+    here, as ``to_tokens`` pads).
 
     Raises :class:`InputError` naming the problem: not a dense tensor with values, wrong dtype or
     shape, ids out of the vocabulary, an empty prompt, a prompt longer than the model's positions,
     or (with ``single``) more than one prompt (``why`` is then the message).
     """
+    tokens = _as_tensor(tokens)
     if not isinstance(tokens, torch.Tensor):
         raise InputError(
-            f"tokens must be a torch tensor of token ids, got {type(tokens).__name__}; "
+            f"tokens must be a torch tensor of token ids (or a list of int ids), got {type(tokens).__name__}; "
             f"use model.to_tokens('text') or model.tok.to_tokens([...])"
         )
     if tokens.is_nested or tokens.layout != torch.strided:
@@ -143,8 +165,8 @@ def check_tokens(tokens, d_vocab: int, n_ctx: int, *, single: bool = False, why:
                          "(model.to_tokens('text')), on the CPU or the model's device")
     if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise InputError(f"tokens must hold integer ids, got dtype {tokens.dtype}; use model.to_tokens('text')")
-    if tokens.dim() == 1:
-        raise InputError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}; try tokens[None]")
+    if tokens.dim() == 1:  # one prompt's ids
+        tokens = tokens[None]
     if tokens.dim() != 2:
         raise InputError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
     tokens = tokens.long().cpu()

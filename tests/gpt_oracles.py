@@ -50,8 +50,9 @@ def gpt2_layer(hf, layer: int, resid_pre: torch.Tensor) -> dict[str, torch.Tenso
     resid_mid = resid_pre + attn_out
     mlp_post = gelu_tanh(layer_norm(resid_mid, block.ln_2) @ block.mlp.c_fc.weight + block.mlp.c_fc.bias)
     mlp_out = mlp_post @ block.mlp.c_proj.weight + block.mlp.c_proj.bias
-    return dict(resid_pre=resid_pre, q=q, k=k, v=v, z=z, pattern=pattern, attn_out=attn_out, resid_mid=resid_mid,
-                mlp_post=mlp_post, mlp_out=mlp_out, resid_post=resid_mid + mlp_out)
+    return dict(resid_pre=resid_pre, q=q, k=k, v=v, z=z, pattern=pattern, attn_out=attn_out, attn_out_post=attn_out,
+                resid_mid=resid_mid, mlp_post=mlp_post, mlp_out=mlp_out, mlp_out_post=mlp_out,
+                resid_post=resid_mid + mlp_out)
 
 
 def _rotate(x: torch.Tensor, rot: int, base: float) -> torch.Tensor:
@@ -82,8 +83,8 @@ def neox_layer(hf, layer: int, resid_pre: torch.Tensor) -> dict[str, torch.Tenso
     mlp_post = gelu_erf(F.linear(layer_norm(mlp_in, block.post_attention_layernorm), block.mlp.dense_h_to_4h.weight,
                                  block.mlp.dense_h_to_4h.bias))
     mlp_out = F.linear(mlp_post, block.mlp.dense_4h_to_h.weight, block.mlp.dense_4h_to_h.bias)
-    sites = dict(resid_pre=resid_pre, q=q, k=k, v=v, z=z, pattern=pattern, attn_out=attn_out, mlp_post=mlp_post,
-                 mlp_out=mlp_out, resid_post=resid_pre + attn_out + mlp_out)
+    sites = dict(resid_pre=resid_pre, q=q, k=k, v=v, z=z, pattern=pattern, attn_out=attn_out, attn_out_post=attn_out,
+                 mlp_post=mlp_post, mlp_out=mlp_out, mlp_out_post=mlp_out, resid_post=resid_pre + attn_out + mlp_out)
     if not config.use_parallel_residual:
         sites["resid_mid"] = resid_pre + attn_out
     return sites

@@ -22,6 +22,11 @@ class Hook:
     ``"attention"`` reads the attention function's arguments/results (q, k, v, pattern; eager).
     ``"select"`` reads the expert selection of the MoE runner at ``module`` (vLLM,
     :mod:`interp_engine.backends.vllm.worker.experts`).
+    ``"normalized"`` reads the norm at ``module``'s output before its gain, recomputed from its
+    input (eager, :mod:`interp_engine.backends.eager.norms`).
+    A model-level site (``embeddings``, ``lm_head``, ``ln_final_normalized``) names a module path
+    relative to the model; :class:`Arch` fills them from its ``embed``, ``unembed`` and
+    ``final_norm`` paths.
     ``index`` picks the element of a tuple output (a router returns logits, weights, indices).
     ``parts`` (vLLM) names the tensors whose *sum* is the site: forward arguments by parameter
     name for ``"in"`` (by position, an int, where the forward takes ``*args``: a custom op), output
@@ -35,18 +40,18 @@ class Hook:
     """
 
     module: str
-    phase: str  # "in" | "out" | "attention" | "select"
+    phase: str  # "in" | "out" | "attention" | "select" | "normalized"
     index: int = 0
     layout: str = ""
     parts: tuple = ()
     shard: str = ""
 
 
-#: tensor layouts a hook may read; b batch, p position, s stream, d features; ``(b p)`` is the
+#: tensor layouts a hook may read; b batch, p position, s stream, h head, d features; ``(b p)`` is the
 #: flattened tokens (vLLM's flat batch is always that: its recorder reads rows of it); ``1 (b p) ...``
 #: is vLLM's flat batch inside a batch axis of one (the Hugging Face modules that vLLM's
 #: Transformers backend runs)
-LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...")
+LAYOUTS = ("", "(b p) ...", "b p s d", "s b p d", "b p (s d)", "s (b p) d", "1 (b p) ...", "b h p d")
 
 #: the layout of a vLLM read inside a batch axis of one (see ``LAYOUTS``)
 ONE = "1 (b p) ..."
@@ -82,6 +87,19 @@ def group_sites(addresses, table: dict[str, Hook]) -> dict[Group, list]:
             raise InternalError(f"[Internal] the site table has no entry for {address.name!r}")
         groups[(address.layer, hook.module, hook.phase)].append(address)
     return dict(groups)
+
+
+#: the residual contribution of each block -> the block's raw output it equals without a post-block norm
+CONTRIBUTIONS = {"attn_out_post": "attn_out", "mlp_out_post": "mlp_out"}
+
+
+def with_contributions(table: dict) -> dict:
+    """``table`` (a site table, or refusal reasons by site) with ``attn_out_post`` / ``mlp_out_post``
+    read (or refused) as the raw ``attn_out`` / ``mlp_out`` where the table does not name them: a
+    family without post-block norms adds each block's raw output to the residual as it is. A family
+    with post-block norms (Gemma 2 / 3 / 3n, OLMo 2 / 3) names both in its table."""
+    extra = {post: table[raw] for post, raw in CONTRIBUTIONS.items() if raw in table and post not in table}
+    return {**table, **extra} if extra else table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +177,12 @@ class Arch:
     def __post_init__(self):
         if self.weights not in ("out_in", "in_out"):
             raise ValueError(f"Arch {self.family!r}: weights must be 'out_in' or 'in_out', got {self.weights!r}")
+        for field in ("sites", "vllm", "refused", "vllm_refused"):
+            object.__setattr__(self, field, with_contributions(getattr(self, field)))
+        paths = {"embeddings": Hook(self.embed, "out"), "lm_head": Hook(self.unembed, "out"),
+                 "ln_final_normalized": Hook(self.final_norm, "normalized")}
+        object.__setattr__(self, "sites", {**{s: h for s, h in paths.items() if h.module and s not in self.refused},
+                                              **self.sites})
 
     def fits(self, config) -> bool:
         """Whether a transformers ``config`` is a model of this family."""

@@ -41,6 +41,9 @@ NO_ATTENTION_INTERNALS = (
     "and how it lays out its heads, cannot be proven on a probe; add a family record in interp_engine/archs/"
 )
 
+NO_PRE_GAIN = ("the generic path serves no norm's output before its gain: how an unknown family's norm splits into "
+               "normalisation and gain cannot be proven on a probe (final_norm, after the gain, is served)")
+
 #: config names of the MLP width across families (GPT-BigCode: ``n_inner``, else 4 * d_model); the
 #: width is then proven on the down projection, so a wrong guess refuses mlp_post, never misreads it
 GENERIC_DIMS = dict(d_mlp_from=("intermediate_size", "n_inner", "ffn_dim", "d_ff"), d_mlp_ratio=4)
@@ -179,7 +182,7 @@ def _prove(hf, model_type: str, probe: _Probe, out, found: dict) -> Arch:
         raise _refuse(hf, f"no final norm among {found['norms'] or 'the modules beside the layers'} gives the "
                           f"model's logits from the last layer's output through {found['unembed']}")
     sites = {"resid_pre": Hook("", "in"), "resid_post": Hook("", "out"), "resid_streams": Hook("", "out")}
-    refused = {name: NO_ATTENTION_INTERNALS for name in ("q", "k", "v", "pattern")}
+    refused = {name: NO_ATTENTION_INTERNALS for name in ("q", "k", "v", "pattern", "attn_scores")}
     attn, mlp = found["attn"], found["mlp"]
     a_out = [probe.get(f"{i}.{attn}", "out") for i in range(n)] if attn else None
     m_out = [probe.get(f"{i}.{mlp}", "out") for i in range(n)] if mlp else None
@@ -259,6 +262,7 @@ def _layout(hf, layers: str, path: str, probe: _Probe, a_out, n: int, tol: float
 
 def _record(model_type: str, found: dict, final_norm: str, sites: dict, refused: dict, weights: str) -> Arch:
     attn = found["attn"] or ""
+    refused = {**refused, "ln_final_normalized": NO_PRE_GAIN}
     return Arch(f"generic ({model_type})", (model_type,), sites, layers=found["layers"], final_norm=final_norm,
                 unembed=found["unembed"], embed=found["embed"], attention=attn,
                 o_proj=sites["z"].module if "z" in sites else "", weights=weights, refused=refused, generic=True,

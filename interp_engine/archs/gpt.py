@@ -26,8 +26,17 @@ from .base import ONE, Arch, Hook
 
 _ATTENTION_SITES = ("q", "k", "v", "pattern")
 
+#: GPT-2's and GPT-NeoX's MLPs are not gated: one input projection, then the activation
+_NOT_GATED = {"mlp_pre_linear": "this family's MLP is not gated: its one input projection's output is mlp_pre "
+                                "(act(mlp_pre) = mlp_post)"}
+
 GPT2_SITES = {
     "resid_pre": Hook("", "in"),
+    "attn_in": Hook("attn", "in"),
+    "mlp_in": Hook("mlp", "in"),
+    "ln1_normalized": Hook("ln_1", "normalized"),
+    "ln2_normalized": Hook("ln_2", "normalized"),
+    "mlp_pre": Hook("mlp.c_fc", "out"),
     "attn_out": Hook("attn", "out"),
     "resid_mid": Hook("ln_2", "in"),
     "mlp_out": Hook("mlp", "out"),
@@ -53,8 +62,18 @@ GPT2_VLLM = {
     "v": Hook("attn.attn", "in", parts=("value",), shard="kv"),
 }
 
+_GPT2_SCORES = {"attn_scores": "GPT-2's attention scales its scores its own way (scale_attn_weights, "
+                                "scale_attn_by_inverse_layer_idx) inside its attention function, which this engine "
+                                "does not reform; pattern is served"}
+
 NEOX_PARALLEL_SITES = {
+    "attn_scores": Hook("attention", "attention"),
     "resid_pre": Hook("", "in"),
+    "attn_in": Hook("attention", "in"),
+    "mlp_in": Hook("mlp", "in"),
+    "ln1_normalized": Hook("input_layernorm", "normalized"),
+    "ln2_normalized": Hook("post_attention_layernorm", "normalized"),
+    "mlp_pre": Hook("mlp.dense_h_to_4h", "out"),
     "attn_out": Hook("attention", "out"),
     "mlp_out": Hook("mlp", "out"),
     "resid_post": Hook("", "out"),
@@ -101,11 +120,12 @@ ARCHS = (
     Arch("gpt2", ("gpt2",), GPT2_SITES, layers="transformer.h", final_norm="transformer.ln_f",
          embed="transformer.wte", attention="attn", o_proj="attn.c_proj", weights="in_out",
          vllm=GPT2_VLLM, vllm_attention="attn.attn", d_mlp_from=("n_inner",), d_mlp_ratio=4,
+         refused={**_NOT_GATED, **_GPT2_SCORES},
          d_head_from=(), n_kv_heads_from=(),
          # the record reads q / k / v through the attention interface and knows one decoder only
          matches=lambda c: not c.reorder_and_upcast_attn and not c.add_cross_attention),
     Arch("gpt_neox", ("gpt_neox",), NEOX_PARALLEL_SITES, vllm=NEOX_PARALLEL_VLLM,
-         refused={"resid_mid": NO_RESID_MID}, matches=lambda c: c.use_parallel_residual, **_NEOX),
-    Arch("gpt_neox_sequential", ("gpt_neox",), NEOX_SEQUENTIAL_SITES, vllm=NEOX_SEQUENTIAL_VLLM,
+         refused={"resid_mid": NO_RESID_MID, **_NOT_GATED}, matches=lambda c: c.use_parallel_residual, **_NEOX),
+    Arch("gpt_neox_sequential", ("gpt_neox",), NEOX_SEQUENTIAL_SITES, vllm=NEOX_SEQUENTIAL_VLLM, refused=_NOT_GATED,
          matches=lambda c: not c.use_parallel_residual, **_NEOX),
 )

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from . import vllm_reads
 from .base import Arch, Hook
-from .dense import ATTENTION
+from .dense import ATTENTION, BLOCK_INPUTS
 
 GPT_OSS_SITES = {
+    **BLOCK_INPUTS,
     "resid_pre": Hook("", "in"),
     "attn_out": Hook("self_attn", "out"),
     "resid_mid": Hook("post_attention_layernorm", "in"),
@@ -55,5 +56,6 @@ VLLM_SITES = {
     "router_logits": Hook("mlp.router", "out", parts=(0,)),
 }
 
-ARCHS = (Arch("gpt_oss", ("gpt_oss",), GPT_OSS_SITES, refused={"mlp_post": _MOE_ONLY}, vllm=VLLM_SITES,
+ARCHS = (Arch("gpt_oss", ("gpt_oss",), GPT_OSS_SITES,
+              refused={name: _MOE_ONLY for name in ("mlp_post", "mlp_pre", "mlp_pre_linear")}, vllm=VLLM_SITES,
               vllm_attention="attn.attn", vllm_paths={"o_proj": "attn.o_proj"}),)

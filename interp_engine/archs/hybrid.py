@@ -8,7 +8,7 @@ sits in a Llama layer (input norm before, residual add after), so:
 
 - ``resid_pre`` / ``resid_mid`` / ``resid_post``, ``mlp_out`` (and ``mlp_post`` / the MoE sites)
   are served on every layer;
-- ``attn_out.L`` is what the layer's token mixer adds to the residual, whichever it is (the table
+- ``attn_out.L`` (= ``attn_out_post.L``) is what the layer's token mixer adds to the residual, whichever it is (the table
   reads ``self_attn|linear_attn``, the one the layer has);
 - ``z`` / ``q`` / ``k`` / ``v`` / ``pattern`` exist only on the full-attention layers
   (``Arch.attention_kinds``); asking for them on a linear-attention layer is refused with the
@@ -24,10 +24,12 @@ q / k norms and rotary (partial rotary: ``partial_rotary_factor``), as the score
 from __future__ import annotations
 
 from .base import Arch, Hook
-from .dense import ATTENTION
+from .dense import ATTENTION, BLOCK_INPUTS, GATED_MLP, QK_NORMS
 from .moe import ROUTER_SITES
 
 _SITES = {
+    **BLOCK_INPUTS,
+    "attn_in": Hook("self_attn|linear_attn", "in"),
     "resid_pre": Hook("", "in"),
     "attn_out": Hook("self_attn|linear_attn", "out"),
     "resid_mid": Hook("post_attention_layernorm", "in"),
@@ -36,6 +38,7 @@ _SITES = {
     "z": Hook("self_attn.o_proj", "in"),
     "resid_streams": Hook("", "out"),
     **ATTENTION,
+    **QK_NORMS,
 }
 
 #: the layer kinds whose token mixer is softmax attention
@@ -51,7 +54,7 @@ _QWEN3_5_IMPORT = ("vLLM 0.32's Qwen3_5ForCausalLM lives in a module that import
                    + _GDN_ON_CPU)
 
 ARCHS = (
-    Arch("qwen3_5", ("qwen3_5_text",), {**_SITES, "mlp_post": Hook("mlp.down_proj", "in")},
+    Arch("qwen3_5", ("qwen3_5_text",), {**_SITES, "mlp_post": Hook("mlp.down_proj", "in"), **GATED_MLP},
          layer_kinds="layer_types", attention_kinds=_FULL, vllm_unsupported=_QWEN3_5_IMPORT),
     Arch("qwen3_next", ("qwen3_next",), {**_SITES, "mlp_post": Hook("mlp.down_proj", "in"), **ROUTER_SITES},
          layer_kinds="layer_types", attention_kinds=_FULL, vllm_unsupported=_GDN_ON_CPU),

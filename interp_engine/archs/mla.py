@@ -35,7 +35,7 @@ of ``o_proj``, would.
 from __future__ import annotations
 
 from .base import Arch, Hook
-from .dense import LLAMA_SITES
+from .dense import GATED_MLP, LLAMA_SITES
 from .moe import ROUTER_SITES
 
 _VLLM_CPU_ROPE = ("vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates the strided rope slice of "
@@ -43,7 +43,7 @@ _VLLM_CPU_ROPE = ("vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu) r
                   "attention is not the model's (z 2% away from eager on a tiny DeepSeek-V3; docs/MOE.md)")
 
 ARCHS = (
-    Arch("deepseek_v3", ("deepseek_v3",), {**LLAMA_SITES, **ROUTER_SITES}, d_head_from=("v_head_dim",),
+    Arch("deepseek_v3", ("deepseek_v3",), {**LLAMA_SITES, **GATED_MLP, **ROUTER_SITES}, d_head_from=("v_head_dim",),
          n_kv_heads_from=("num_attention_heads",), d_head_qk_from=("qk_head_dim",),
          vllm_unsupported=_VLLM_CPU_ROPE),
 )

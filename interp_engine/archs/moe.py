@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from . import vllm_reads
 from .base import Arch, Hook
-from .dense import LLAMA_SITES
+from .dense import GATED_MLP, LLAMA_SITES, QK_NORMS
 
 #: the three outputs of a router, over the flattened ``[batch * pos]`` tokens
 ROUTER_SITES = {
@@ -30,8 +30,9 @@ MOE_LAYER_TYPES = ("moe", "hash_moe", "sparse")
 
 ARCHS = (
     # Qwen3-MoE, OLMoE and Mixtral keep Llama's layer layout, with ``mlp`` a sparse MoE block.
-    Arch("qwen3_moe", ("qwen3_moe",), {**LLAMA_SITES, **ROUTER_SITES}, vllm=vllm_reads.moe("mlp")),
-    Arch("olmoe", ("olmoe",), {**LLAMA_SITES, **ROUTER_SITES}, vllm=vllm_reads.moe("mlp")),
+    Arch("qwen3_moe", ("qwen3_moe",), {**LLAMA_SITES, **GATED_MLP, **QK_NORMS, **ROUTER_SITES},
+         vllm=vllm_reads.moe("mlp")),
+    Arch("olmoe", ("olmoe",), {**LLAMA_SITES, **QK_NORMS, **ROUTER_SITES}, vllm=vllm_reads.moe("mlp")),
     Arch("mixtral", ("mixtral",), {**LLAMA_SITES, **ROUTER_SITES}, vllm=vllm_reads.moe("block_sparse_moe")),
 )
 

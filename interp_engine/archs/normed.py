@@ -10,8 +10,9 @@ residual, or scale the embedding: Gemma 1, Gemma 3, OLMo 2 and OLMo 3 (Gemma 2 i
   normed (``post_attention_layernorm`` / ``post_feedforward_layernorm``) before the add. The
   q / k norms span all heads, before rotary. OLMo 3 interleaves sliding-window layers.
 
-In each, ``attn_out`` / ``mlp_out`` are the normed outputs, exactly what is added to the residual
-(as for Gemma 2), so ``resid_mid = resid_pre + attn_out`` and ``resid_post = resid_mid + mlp_out``.
+In each (as in Gemma 2), ``attn_out`` / ``mlp_out`` are the blocks' raw outputs and ``attn_out_post`` /
+``mlp_out_post`` the normed outputs, exactly what is added to the residual, so ``resid_mid =
+resid_pre + attn_out_post`` and ``resid_post = resid_mid + mlp_out_post``.
 
 On vLLM, Gemma 1 and 3 run in vLLM's own model classes (Llama's and Gemma 2's reads); OLMo 2 and 3
 run through vLLM's Transformers backend, which calls the Hugging Face decoder layers on the flat
@@ -23,15 +24,21 @@ from __future__ import annotations
 
 from . import vllm_reads
 from .base import ONE, Arch, Hook
-from .dense import ATTENTION, GEMMA2_SITES, LLAMA_SITES
+from .dense import ATTENTION, GATED_MLP, GEMMA2_SITES, LLAMA_SITES, QK_NORMS, QK_NORMS_HEADS_FIRST
 from .gpt import NO_QKV_ON_TRANSFORMERS_BACKEND
 
 #: OLMo 2 / 3: no pre-norms, so the MLP's input is ``resid_mid`` itself.
 OLMO2_SITES = {
     "resid_pre": Hook("", "in"),
-    "attn_out": Hook("post_attention_layernorm", "out"),
+    "attn_in": Hook("self_attn", "in"),
+    "mlp_in": Hook("mlp", "in"),
+    **GATED_MLP,
+    **QK_NORMS,
+    "attn_out": Hook("self_attn", "out"),
+    "attn_out_post": Hook("post_attention_layernorm", "out"),
     "resid_mid": Hook("mlp", "in"),
-    "mlp_out": Hook("post_feedforward_layernorm", "out"),
+    "mlp_out": Hook("mlp", "out"),
+    "mlp_out_post": Hook("post_feedforward_layernorm", "out"),
     "resid_post": Hook("", "out"),
     "z": Hook("self_attn.o_proj", "in"),
     "mlp_post": Hook("mlp.down_proj", "in"),
@@ -42,20 +49,28 @@ OLMO2_SITES = {
 #: OLMo 2 / 3 on vLLM's Transformers backend: the Hugging Face layer, ``[1, tokens, ...]``
 OLMO2_VLLM = {
     "resid_pre": Hook("", "in", parts=("hidden_states",), layout=ONE),
-    "attn_out": Hook("post_attention_layernorm", "out", parts=(0,), layout=ONE),
+    "attn_out": Hook("self_attn", "out", parts=(0,), layout=ONE),
+    "attn_out_post": Hook("post_attention_layernorm", "out", parts=(0,), layout=ONE),
     "resid_mid": Hook("mlp", "in", parts=("x",), layout=ONE),
-    "mlp_out": Hook("post_feedforward_layernorm", "out", parts=(0,), layout=ONE),
+    "mlp_out": Hook("mlp", "out", parts=(0,), layout=ONE),
+    "mlp_out_post": Hook("post_feedforward_layernorm", "out", parts=(0,), layout=ONE),
     "resid_post": Hook("", "out", parts=(0,), layout=ONE),
     "z": Hook("self_attn.o_proj", "in", parts=("input_",), shard="heads", layout=ONE),
     "mlp_post": Hook("mlp.down_proj", "in", parts=("input_",), shard="cols", layout=ONE),
+}
+
+_NO_PRE_NORM = {
+    "ln1_normalized": "OLMo 2 / 3 have no pre-attention norm: attention reads the residual itself (attn_in = resid_pre)",
+    "ln2_normalized": "OLMo 2 / 3 have no pre-MLP norm: the MLP reads the residual itself (mlp_in = resid_mid)",
 }
 
 _OLMO_ON_VLLM = dict(vllm=OLMO2_VLLM, vllm_transformers_backend=True,
                      vllm_refused={name: NO_QKV_ON_TRANSFORMERS_BACKEND for name in ("q", "k", "v")})
 
 ARCHS = (
-    Arch("gemma", ("gemma",), LLAMA_SITES, vllm=vllm_reads.LLAMA),
-    Arch("gemma3", ("gemma3_text",), GEMMA2_SITES, logit_softcap="final_logit_softcapping", vllm=vllm_reads.GEMMA2),
-    Arch("olmo2", ("olmo2",), OLMO2_SITES, **_OLMO_ON_VLLM),
-    Arch("olmo3", ("olmo3",), OLMO2_SITES, **_OLMO_ON_VLLM),
+    Arch("gemma", ("gemma",), {**LLAMA_SITES, **GATED_MLP}, vllm=vllm_reads.LLAMA),
+    Arch("gemma3", ("gemma3_text",), {**GEMMA2_SITES, **QK_NORMS_HEADS_FIRST}, logit_softcap="final_logit_softcapping",
+         vllm=vllm_reads.GEMMA2),
+    Arch("olmo2", ("olmo2",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
+    Arch("olmo3", ("olmo3",), OLMO2_SITES, refused=_NO_PRE_NORM, **_OLMO_ON_VLLM),
 )

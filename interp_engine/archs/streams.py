@@ -9,8 +9,9 @@ the active one (stream 0) and AltUp corrects the others from it.
 
 ``resid_streams.L.S`` is stream ``S`` of the layer's output. The single-stream residual sites
 (``resid_pre``, ``resid_mid``, ``resid_post``) are not in these tables: there is no one residual
-to name, and the address check says so. ``attn_out`` / ``mlp_out`` are what each block writes,
-before it is spread over the streams. Sites whose module these families lay out differently
+to name, and the address check says so. ``attn_out_post`` / ``mlp_out_post`` are what each block writes,
+before it is spread over the streams (``attn_out`` / ``mlp_out`` the raw outputs: the same tensors
+except on Gemma 3n, which norms them first). Sites whose module these families lay out differently
 (DeepSeek-V4's grouped output projection, HY-v4's latent attention) are left out and refused
 with the list of what is served.
 """
@@ -38,10 +39,13 @@ _QWEN4_EXP_SITES = {
     **ROUTER_SITES,
 }
 
-#: Gemma 3n normalises each block's output (like Gemma 2) before AltUp mixes it in.
+#: Gemma 3n normalises each block's output (like Gemma 2) before AltUp mixes it in: ``attn_out`` /
+#: ``mlp_out`` are the raw outputs, ``attn_out_post`` / ``mlp_out_post`` the normed ones.
 _GEMMA3N_SITES = {
-    "attn_out": Hook("post_attention_layernorm", "out"),
-    "mlp_out": Hook("post_feedforward_layernorm", "out"),
+    "attn_out": Hook("self_attn", "out"),
+    "attn_out_post": Hook("post_attention_layernorm", "out"),
+    "mlp_out": Hook("mlp", "out"),
+    "mlp_out_post": Hook("post_feedforward_layernorm", "out"),
     "z": Hook("self_attn.o_proj", "in"),
     "mlp_post": Hook("mlp.down_proj", "in"),
     "resid_streams": Hook("", "out", layout="s b p d"),
@@ -51,7 +55,9 @@ _GEMMA3N_SITES = {
 ARCHS = (
     Arch("deepseek_v4", ("deepseek_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("hy_v4", ("hy_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
-    Arch("qwen4_exp", ("qwen4_exp_text",), _QWEN4_EXP_SITES, streams_config="hc_count"),
+    Arch("qwen4_exp", ("qwen4_exp_text",), _QWEN4_EXP_SITES, streams_config="hc_count",
+         refused={"ln_final_normalized": "Qwen4-Exp has no final norm module at model.norm: its hyper_connection_mixer "
+                                         "collapses the streams and normalises them in one module"}),
     Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs",
          vllm=vllm_reads.GEMMA3N),
 )

@@ -55,7 +55,9 @@ _NORMALIZE = {"none": "none", None: "none", False: "none", "constant_norm_rescal
               "layer_norm": "layer_norm", "expected_average_only_in": "scale", True: "scale"}
 #: sites a dictionary may read or write: one vector per position, written where it is made
 #: (z flattens its heads: ``[n_heads * d_head]``)
-DICTIONARY_SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "resid_streams")
+DICTIONARY_SITES = ("resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post", "z",
+                    "mlp_post", "resid_streams", "ln1_normalized", "attn_in", "ln2_normalized", "mlp_in", "mlp_pre",
+                    "mlp_pre_linear")
 _CFG = "cfg.json"
 _WEIGHTS = "sae_weights.safetensors"
 _NPZ = "params.npz"
@@ -182,7 +184,7 @@ def _from_saelens(path: Path, *, reads, writes, k, norm_scaling_factor, name, dt
     hook_out = writes if writes is not None else (get("hook_name_out") if transcoder else None)
     if transcoder and hook_out is None:
         raise DictionaryError(f"{path}: a {architecture} predicts another address, but its config names no "
-                              f"hook_name_out; pass writes='mlp_out.L' (the address it predicts)")
+                              f"hook_name_out; pass writes='mlp_out_post.L' (the address it predicts)")
     options = {"activation": activation, "k": None, "norm_scaling_factor": norm_scaling_factor}
     if activation == "topk":
         options["k"] = k if k is not None else cfg.get("k", kwargs.get("k"))

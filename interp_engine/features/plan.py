@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ..address import Address, FeatureAddress, format_address, to_address
+from ..address import SITES, Address, FeatureAddress, format_address, to_address
 from ..points import ModelInfo
 from ..edit_directions import DIRECTIONAL, plan_direction
 from ..edits import EDITS, Add, Planned, Set, _fit, _number
@@ -82,7 +82,7 @@ def site_width(address: Address, info: ModelInfo) -> int:
     """The length of the vector a dictionary sees at ``address`` (z: its heads flattened)."""
     if address.name == "z":
         return info.n_heads * info.d_head
-    if address.name == "mlp_post":
+    if "d_mlp" in SITES[address.name].shape:
         return info.d_mlp
     return info.d_model
 
@@ -201,7 +201,8 @@ def _index(dictionaries, info: ModelInfo, writable) -> tuple[dict, dict]:
 
 
 #: the order in which a layer computes the sites a dictionary sits at
-_ORDER = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post", "resid_streams")
+_ORDER = ("resid_pre", "ln1_normalized", "attn_in", "z", "attn_out", "attn_out_post", "resid_mid", "ln2_normalized",
+          "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out", "mlp_out_post", "resid_post", "resid_streams")
 
 
 def _plan_edit(point: FeatureAddress, edit, d: Dictionary, tokens, lengths, generating, max_tokens) -> Planned:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..address import Address, FeatureAddress
+from ..address import SITES, Address, FeatureAddress
 from ..points import ModelInfo
 from ..errors import LimitExceeded
 
@@ -70,19 +70,22 @@ def _per_row(address: Address | FeatureAddress, info: ModelInfo, positions: int,
         if address.kind != "features":  # the error term has its site's width
             return _per_row(address.site, info, positions, total, widths)
         return positions * (len(address.ids) if address.ids is not None else widths.get(str(address.site), 0))
-    heads = {"z": info.n_heads, "q": info.n_heads, "k": info.n_kv_heads, "v": info.n_kv_heads}
+    heads = {"z": info.n_heads, "q": info.n_heads, "k": info.n_kv_heads, "v": info.n_kv_heads,
+             **{f"q_norm_{io}": info.n_heads for io in ("in", "out")},
+             **{f"k_norm_{io}": info.n_kv_heads for io in ("in", "out")}}
     if address.name in heads:
-        return positions * heads[address.name] * info.d_head
-    if address.name == "pattern":
+        return positions * heads[address.name] * max(info.d_head, info.d_head_qk)
+    shape = SITES[address.name].shape
+    if len(SITES[address.name].position_axes) > 1:  # pattern, attn_scores: [heads, q, k]
         return info.n_heads * positions * total
-    if address.name == "mlp_post":
+    if "d_mlp" in shape:
         return positions * info.d_mlp
+    if "vocab" in shape:  # logits, lm_head
+        return positions * info.d_vocab
     if address.name == "router_logits":
         return positions * info.n_experts
     if address.name in ("expert_weights", "expert_indices"):
         return positions * info.top_k
-    if address.name == "logits":
-        return positions * info.d_vocab
     return positions * info.d_model
 
 

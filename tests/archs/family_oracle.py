@@ -85,7 +85,8 @@ def manual_mlp_post(block, resid_mid: torch.Tensor, layout: Layout) -> torch.Ten
     return block.mlp.act_fn(block.mlp.gate_proj(x)) * block.mlp.up_proj(x)
 
 
-DENSE = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v"]
+DENSE = ["resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post", "z", "q",
+         "k", "v"]
 
 
 def check_residuals_against_hf(model, tokens) -> None:
@@ -104,20 +105,20 @@ def check_residuals_against_hf(model, tokens) -> None:
 
 
 def check_identities(model, cache) -> None:
-    """``resid_mid = resid_pre + attn_out``, ``resid_post = resid_mid + mlp_out`` and
+    """``resid_mid = resid_pre + attn_out_post``, ``resid_post = resid_mid + mlp_out_post`` and
     ``resid_post.L = resid_pre.(L+1)``."""
     for layer in range(model.info.n_layers):
         pre, mid, post = (cache.get(s, layer) for s in ("resid_pre", "resid_mid", "resid_post"))
-        assert_near(mid, pre + cache.get("attn_out", layer), f"resid_mid.{layer}", REL_SAME)
-        assert_near(post, mid + cache.get("mlp_out", layer), f"resid_post.{layer}", REL_SAME)
+        assert_near(mid, pre + cache.get("attn_out_post", layer), f"resid_mid.{layer}", REL_SAME)
+        assert_near(post, mid + cache.get("mlp_out_post", layer), f"resid_post.{layer}", REL_SAME)
         if layer + 1 < model.info.n_layers:
             assert torch.equal(post, cache.get("resid_pre", layer + 1))
 
 
 def check_attention_by_hand(model, cache, layout: Layout) -> None:
     """``q``, ``k``, ``v``, ``pattern`` and ``z`` equal the attention written out from the weights;
-    ``attn_out`` is ``z`` through the output projection (and the post-attention norm where the
-    family has one); ``head_contributions`` sum to the projection's output."""
+    ``attn_out`` is ``z`` through the output projection, ``attn_out_post`` that through the
+    post-attention norm where the family has one; ``head_contributions`` sum to the projection's output."""
     for layer in range(model.info.n_layers):
         block = model.hf.model.layers[layer]
         with torch.no_grad():
@@ -126,8 +127,9 @@ def check_attention_by_hand(model, cache, layout: Layout) -> None:
                 assert_near(cache.get(site, layer), want[site], f"{site}.{layer}", REL_SAME)
             o_proj = block.self_attn.o_proj
             projected = o_proj(cache.get("z", layer).flatten(-2))
-            assert_near(norm(block, layout.post_attn, projected), cache.get("attn_out", layer), f"attn_out.{layer}",
-                        REL_SAME)
+            assert_near(projected, cache.get("attn_out", layer), f"attn_out.{layer}", REL_SAME)
+            assert_near(norm(block, layout.post_attn, projected), cache.get("attn_out_post", layer),
+                        f"attn_out_post.{layer}", REL_SAME)
             heads = head_contributions(model, cache, layer)
             bias = o_proj.bias if o_proj.bias is not None else 0
             assert_near(heads.sum(2) + bias, projected, f"head_contributions.{layer}", REL_SAME)
@@ -147,20 +149,23 @@ def check_pattern_against_hf(model, tiny_dir, tokens) -> None:
 
 def check_mlp_by_hand(model, cache, layout: Layout) -> None:
     """``mlp_post`` is the gated activation of the normed ``resid_mid``; ``mlp_out`` is it through
-    the down projection (and the post-feedforward norm where the family has one)."""
+    the down projection, ``mlp_out_post`` that through the post-feedforward norm where the family has one."""
     for layer in range(model.info.n_layers):
         block = model.hf.model.layers[layer]
         with torch.no_grad():
             post = manual_mlp_post(block, cache.get("resid_mid", layer), layout)
             assert_near(cache.get("mlp_post", layer), post, f"mlp_post.{layer}", REL_SAME)
-            out = norm(block, layout.post_mlp, block.mlp.down_proj(post))
+            out = block.mlp.down_proj(post)
             assert_near(cache.get("mlp_out", layer), out, f"mlp_out.{layer}", REL_SAME)
+            assert_near(cache.get("mlp_out_post", layer), norm(block, layout.post_mlp, out), f"mlp_out_post.{layer}",
+                        REL_SAME)
 
 
 def check_edits_by_hand(model, tokens, attn_out_module: str) -> None:
     """Edits equal hand-written hooks on the HF model: ``Zero(heads=[1])`` on ``z.1`` is a zeroed
-    slice of the output projection's input; ``Add`` on ``attn_out.1`` adds to the output of the
-    module that forms it (``attn_out_module``); both change the logits."""
+    slice of the output projection's input; ``Add`` on ``attn_out.1`` adds to the attention block's
+    output, on ``attn_out_post.1`` to the output of the module that forms the residual contribution
+    (``attn_out_module``); each changes the logits."""
     from interp_engine import Add, Zero
 
     d_head = model.info.d_head
@@ -180,7 +185,8 @@ def check_edits_by_hand(model, tokens, attn_out_module: str) -> None:
     clean = run_with_cache(model, tokens, ["logits"])["logits"]
     for edits, module, kind, hook in (
         ({"z.1": Zero(heads=[1])}, block.self_attn.o_proj, "pre", zero_head),
-        ({"attn_out.1": Add(vector)}, block.get_submodule(attn_out_module), "post", add),
+        ({"attn_out.1": Add(vector)}, block.self_attn, "post", add),
+        ({"attn_out_post.1": Add(vector)}, block.get_submodule(attn_out_module), "post", add),
     ):
         got = run_with_cache(model, tokens, ["logits"], edits=edits)["logits"]
         handle = (module.register_forward_pre_hook(hook) if kind == "pre" else module.register_forward_hook(hook))

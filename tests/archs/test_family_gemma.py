@@ -19,7 +19,7 @@ LAYOUTS = {
     "gemma3": oracle.Layout(post_attn="post_attention_layernorm", pre_mlp="pre_feedforward_layernorm",
                             post_mlp="post_feedforward_layernorm", qk_norm="head"),
 }
-#: the module whose output is attn_out
+#: the module whose output is attn_out_post (what attention adds to the residual)
 ATTN_OUT = {"gemma": "self_attn", "gemma3": "post_attention_layernorm"}
 
 

@@ -22,7 +22,8 @@ from .. import gpt_oracles, tiny_gpt
 from ..oracles import REL_SAME, assert_near
 
 PROMPT = "The quick brown fox"
-SITES = ("resid_pre", "q", "k", "v", "z", "pattern", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post")
+SITES = ("resid_pre", "q", "k", "v", "z", "pattern", "attn_out", "attn_out_post", "resid_mid", "mlp_post", "mlp_out",
+         "mlp_out_post", "resid_post")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_logit_attribution_sums_to_the_logit_less_the_ln_f_bias(model, hf, cache
     """GPT-2's ln_f is a LayerNorm: the components are centred and scaled as it does at the final
     residual, and its bias adds ``ln_f.bias . W_U[t]`` on top of their shares."""
     target = cache.tokens[:, 1:]  # the next token at each position
-    full = run_with_cache(model, cache.tokens, ["resid_pre.0", "attn_out", "mlp_out", "resid_post", "logits"])
+    full = run_with_cache(model, cache.tokens, ["resid_pre.0", "attn_out_post", "mlp_out_post", "resid_post", "logits"])
     ids = torch.cat([target, target[:, -1:]], dim=1)
     shares = logit_attribution(model, full, ids)
     assert shares.shape == (1 + 2 * model.n_layers, *ids.shape)

@@ -43,7 +43,8 @@ def _points(model) -> list[str]:
 def test_every_served_site_matches_eager(name, pair):
     vllm, eager = pair
     names = {a.name for a in vllm.points()}
-    want_names = {"resid_pre", "attn_out", "mlp_out", "resid_post", "z", "mlp_post", "resid_streams", "final_norm", "logits"}
+    want_names = {"resid_pre", "attn_out", "attn_out_post", "mlp_out", "mlp_out_post", "resid_post", "z", "mlp_post",
+                  "resid_streams", "final_norm", "logits"}
     want_names |= {"resid_mid"} if name != "gpt_neox" else set()
     want_names |= {"q", "k", "v"} if name == "gpt2" else set()
     assert names == want_names
@@ -75,7 +76,7 @@ def test_weights_read_from_the_workers_equal_eagers(pair):
     resid = torch.randn(2, 3, vllm.d_model, generator=torch.Generator().manual_seed(0))
     assert_near(vllm.final_norm(resid), eager.final_norm(resid), "final norm", 1e-6)
     tokens = vllm.to_tokens(PROMPT)
-    points = ["resid_pre.0", "attn_out", "mlp_out", "resid_post", "z.1", "logits"]
+    points = ["resid_pre.0", "attn_out_post", "mlp_out_post", "resid_post", "z.1", "logits"]
     got, want = run_with_cache(vllm, tokens, points), run_with_cache(eager, tokens, points)
     assert_near(head_contributions(vllm, got, 1), head_contributions(eager, want, 1), "head_contributions")
     ids = want["logits"].argmax(-1)

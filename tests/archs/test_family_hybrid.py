@@ -37,8 +37,8 @@ def tokens(model):
 
 @pytest.fixture(scope="module")
 def cache(model, tokens):
-    return run_with_cache(model, tokens, ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post",
-                                          *(f"{s}.{FULL}" for s in HEADS), "logits"])
+    return run_with_cache(model, tokens, ["resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out",
+                                          "mlp_out_post", "resid_post", *(f"{s}.{FULL}" for s in HEADS), "logits"])
 
 
 def test_points_show_the_heads_on_full_attention_layers_only(model):

@@ -21,7 +21,8 @@ from .. import gpt_oracles, tiny_gpt
 from ..oracles import REL_SAME, assert_near
 
 PROMPT = "Pythia reads the pile"
-SITES = ("resid_pre", "q", "k", "v", "z", "pattern", "attn_out", "mlp_post", "mlp_out", "resid_post")
+SITES = ("resid_pre", "q", "k", "v", "z", "pattern", "attn_out", "attn_out_post", "mlp_post", "mlp_out", "mlp_out_post",
+         "resid_post")
 
 
 @pytest.fixture(scope="module", params=["gpt_neox", "gpt_neox_sequential"])
@@ -135,7 +136,7 @@ def test_head_contributions_logit_attribution_and_the_lens(pair, cache):
     L = model.n_layers - 1
     dense = hf.gpt_neox.layers[L].attention.dense
     assert_near(head_contributions(model, cache, L).sum(2) + dense.bias, cache.get("attn_out", L), "heads", REL_SAME)
-    full = run_with_cache(model, cache.tokens, ["resid_pre.0", "attn_out", "mlp_out", "resid_post", "logits"],
+    full = run_with_cache(model, cache.tokens, ["resid_pre.0", "attn_out_post", "mlp_out_post", "resid_post", "logits"],
                           positions=-1)
     token = int(full["logits"][0, -1].argmax())
     shares = logit_attribution(model, full, token)

@@ -55,8 +55,10 @@ def test_blocks_read_the_residual_itself(model, cache):
     for layer in range(model.info.n_layers):
         block = model.hf.model.layers[layer]
         with torch.no_grad():
-            out = block.post_feedforward_layernorm(block.mlp(cache.get("resid_mid", layer)))
-        assert_near(out, cache.get("mlp_out", layer), f"mlp_out.{layer}", REL_SAME)
+            raw = block.mlp(cache.get("resid_mid", layer))
+        assert_near(raw, cache.get("mlp_out", layer), f"mlp_out.{layer}", REL_SAME)
+        assert_near(block.post_feedforward_layernorm(raw), cache.get("mlp_out_post", layer), f"mlp_out_post.{layer}",
+                    REL_SAME)
 
 
 def test_attention_by_hand(model, cache):

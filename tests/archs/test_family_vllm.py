@@ -16,6 +16,7 @@ import torch
 
 from interp_engine import (Add, AddressError, Zero, capture_generation, expert_assignment, head_contributions,
                            run_with_cache)
+from interp_engine.archs import vllm_reads
 
 from ..oracles import assert_near
 
@@ -56,7 +57,7 @@ def compare(got, want, points, n_experts: int) -> None:
 def test_every_served_point_matches_eager(pair):
     vllm, eager = pair
     points = vllm.points()
-    refused = {"pattern", *vllm.arch.vllm_refused}
+    refused = {"pattern", "attn_scores", *vllm.arch.vllm_refused, *vllm_reads.EAGER_ONLY}  # eager-only points
     assert set(map(str, points)) == {str(p) for p in eager.points() if p.name not in refused}
     tokens = vllm.to_tokens(PROMPT)
     got, want = run_with_cache(vllm, tokens, points), run_with_cache(eager, tokens, points)

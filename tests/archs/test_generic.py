@@ -24,7 +24,9 @@ from .. import tiny, tiny_gpt
 from ..oracles import REL_SAME, assert_near
 
 PROMPT = "a family with no record"
-SERVED = {"resid_pre", "attn_out", "mlp_out", "resid_post", "z", "mlp_post", "resid_streams", "final_norm", "logits"}
+SERVED = {"resid_pre", "attn_out", "attn_out_post", "mlp_out", "mlp_out_post", "resid_post", "z", "mlp_post", "resid_streams",
+          "embeddings", "lm_head",
+          "final_norm", "logits"}
 #: name -> (module paths the generic path must find, whether the block is sequential)
 FAMILIES = {"stablelm": ("self_attn.o_proj", "mlp.down_proj", True), "phi": ("self_attn.dense", "mlp.fc2", False)}
 

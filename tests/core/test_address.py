@@ -30,7 +30,7 @@ def test_feature_points_round_trip(text):
 
 def test_feature_points_take_transformerlens_names_and_sort_their_ids():
     assert parse_address("blocks.3.hook_resid_post.features") == FeatureAddress(Address("resid_post", 3))
-    assert parse_address("blocks.1.hook_mlp_out.sae_error") == FeatureAddress(Address("mlp_out", 1), "sae_error")
+    assert parse_address("blocks.1.hook_mlp_out.sae_error") == FeatureAddress(Address("mlp_out_post", 1), "sae_error")
     assert format_address(parse_address("resid_post.3.features[5,2,5]")) == "resid_post.3.features[2,5]"
     assert format_address(parse_address("blocks.3.hook_resid_post.features"), style="tl") == \
         "blocks.3.hook_resid_post.features"

@@ -27,7 +27,8 @@ def model(request, eager_models):
 @pytest.fixture(scope="module")
 def cache(model):
     tokens = model.tok.to_tokens(PROMPTS)
-    return run_with_cache(model, tokens, ["resid_pre", "resid_post", "attn_out", "mlp_out", "z", "logits"])
+    return run_with_cache(model, tokens, ["resid_pre", "resid_post", "attn_out", "attn_out_post", "mlp_out_post", "z",
+                                          "logits"])
 
 
 def test_stack_is_the_layers_side_by_side(model, cache):
@@ -60,7 +61,7 @@ def test_accumulated_resid_at_L_is_resid_pre_L(model, cache):
 
 def test_decomposition_sums_to_the_last_resid_post(model, cache):
     parts, labels = decompose_resid(cache, return_labels=True)
-    assert labels[:3] == ["embed", "attn_out.0", "mlp_out.0"] and len(labels) == 1 + 2 * model.n_layers
+    assert labels[:3] == ["embed", "attn_out_post.0", "mlp_out_post.0"] and len(labels) == 1 + 2 * model.n_layers
     assert_near(parts.sum(0), cache.get("resid_post", model.n_layers - 1), "sum of components", rel=1e-6)
     assert_near(decompose_resid(cache, 1).sum(0), cache.get("resid_pre", 1), "up to layer 1", rel=1e-6)
 
@@ -87,19 +88,21 @@ def test_logit_attributions_sum_to_the_logits(model, cache):
     direction = model.unembed_weight()[7].detach()
     assert torch.equal(logit_attribution(model, cache, direction), one)
     # per head: head_contributions through the same frozen norm; the heads sum to attn_out's share
+    # (attn_out is the raw output of o_proj, which has no bias in these families; Gemma 2's
+    # attn_out_post is that output through its post-attention norm, so not the heads' sum)
     heads = head_contributions(model, cache, 1).permute(2, 0, 1, 3)  # [heads, b, p, d]
     per_head = logit_attribution(model, cache, 7, components=heads)
     attn = logit_attribution(model, cache, 7, components=cache.get("attn_out", 1)[None])[0]
-    if model.info.family == "llama":  # Llama's o_proj has no bias and attn_out is its output
-        assert_near(per_head.sum(0)[real], attn[real], "heads sum to attn_out", rel=1e-5)
+    assert_near(per_head.sum(0)[real], attn[real], "heads sum to attn_out", rel=1e-5)
 
 
 def test_whole_sites_filters_and_points(model):
     info = model.info
     assert model.points("resid_post") == [Address("resid_post", L) for L in range(info.n_layers)]
     everything = model.points()
-    assert [a.name for a in everything[-2:]] == ["final_norm", "logits"]
-    assert [a.layer for a in everything[:-2]] == sorted(a.layer for a in everything[:-2])
+    assert everything[0].name == "embeddings"
+    assert [a.name for a in everything[-4:]] == ["ln_final_normalized", "final_norm", "lm_head", "logits"]
+    assert [a.layer for a in everything[1:-4]] == sorted(a.layer for a in everything[1:-4])
     tokens = model.to_tokens("sites")
     cache = run_with_cache(model, tokens, ["resid_post", "resid_streams.1", lambda a: a.name == "z" and a.layer > 0])
     assert [str(a) for a in cache] == ([f"resid_post.{L}" for L in range(info.n_layers)] + ["resid_streams.1.0"]

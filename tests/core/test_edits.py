@@ -20,7 +20,8 @@ LAYER = 1
 PROMPT = "edit me, please"
 # where a hand-written hook finds each site in a Llama layer (written out here, not read from the
 # library's table, so the oracle does not share the code under test)
-LLAMA_OUT = {"attn_out": "self_attn", "mlp_out": "mlp", "resid_post": ""}
+LLAMA_OUT = {"attn_out": "self_attn", "attn_out_post": "self_attn", "mlp_out": "mlp", "mlp_out_post": "mlp",
+             "resid_post": ""}
 LLAMA_IN = {"resid_pre": "", "z": "self_attn.o_proj", "mlp_post": "mlp.down_proj"}
 ATTENTION = ("q", "k", "v", "pattern")
 
@@ -75,8 +76,10 @@ def _kinds(model, site, length):
     }
 
 
-#: Gemma 2 normalises each block's output before the add: its block outputs are those norms
-GEMMA2_OUT = {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm", "resid_post": ""}
+#: Gemma 2 normalises each block's output before the add: the contributions are those norms' outputs,
+#: the raw outputs the blocks'
+GEMMA2_OUT = {"attn_out": "self_attn", "attn_out_post": "post_attention_layernorm", "mlp_out": "mlp",
+              "mlp_out_post": "post_feedforward_layernorm", "resid_post": ""}
 
 
 def _llama_mid(layer, fn):
@@ -186,8 +189,8 @@ def test_edit_equals_hand_written_hook(model, tokens, site, kind):
     assert_near(got[last], want_last, f"{site} {kind} {last}", 1e-5)
 
 
-@pytest.mark.parametrize("site", ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post",
-                                  "q", "k", "v"])
+@pytest.mark.parametrize("site", ["resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post",
+                                  "resid_post", "z", "mlp_post", "q", "k", "v"])
 def test_gemma2_edit_equals_hand_written_hook(eager_models, site):
     model = eager_models("gemma2")
     tokens = model.to_tokens(PROMPT)
@@ -297,7 +300,7 @@ def test_kv_edits_persist_in_the_cache(model, tokens):
 @pytest.mark.parametrize("edits, error, words", [
     ({"resid_pst.1": Zero()}, AddressError, "known sites"),
     ({"resid_post.9": Zero()}, AddressError, "layer"),
-    ({"router_logits.1": Zero()}, AddressError, "writable sites of this model there: resid_pre, attn_out"),
+    ({"router_logits.1": Zero()}, AddressError, "writable sites of this model there: resid_pre, attn_out, attn_out_post"),
     ({"logits": Zero()}, AddressError, "'logits' cannot be edited"),
     ({"resid_post": Zero()}, AddressError, "one layer's address"),
     ({"resid_post.1": Add(torch.zeros(7))}, InputError, "[128]"),
@@ -328,15 +331,15 @@ def test_function_edit_of_the_wrong_shape_is_a_clear_error(model, tokens):
 
 
 def test_gemma2_sites_through_the_same_table(eager_models):
-    """Gemma 2 normalises each block's output: attn_out / mlp_out edits are on the norm outputs,
-    and resid_mid still satisfies resid_mid = resid_pre + attn_out after the edit."""
+    """Gemma 2 normalises each block's output: resid_mid is written through attn_out_post (the norm's
+    output) and still satisfies resid_mid = resid_pre + attn_out_post after the edit."""
     model = eager_models("gemma2")
     tokens = model.to_tokens(PROMPT)
-    points = [f"resid_pre.{LAYER}", f"attn_out.{LAYER}", f"resid_mid.{LAYER}"]
+    points = [f"resid_pre.{LAYER}", f"attn_out_post.{LAYER}", f"resid_mid.{LAYER}"]
     cache = run_with_cache(model, tokens, points, edits={f"resid_mid.{LAYER}": Scale(2.0)})
     plain = run_with_cache(model, tokens, [f"resid_mid.{LAYER}"])
     assert_near(cache[f"resid_mid.{LAYER}"], 2 * plain[f"resid_mid.{LAYER}"], "gemma2 resid_mid", 1e-6)
-    assert_near(cache[f"resid_pre.{LAYER}"] + cache[f"attn_out.{LAYER}"], cache[f"resid_mid.{LAYER}"],
+    assert_near(cache[f"resid_pre.{LAYER}"] + cache[f"attn_out_post.{LAYER}"], cache[f"resid_mid.{LAYER}"],
                 "resid_mid identity after the edit", 1e-6)
 
 

@@ -33,7 +33,7 @@ def llama(eager_models):
 def full_cache(llama):
     """Everything the helpers read, for a padded batch of two prompts."""
     tokens = llama.to_tokens(["The quick brown fox", "jumps"])
-    return run_with_cache(llama, tokens, ["resid_pre", "resid_post", "attn_out", "mlp_out", "z", "logits"])
+    return run_with_cache(llama, tokens, ["resid_pre", "resid_post", "attn_out_post", "mlp_out_post", "z", "logits"])
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def posts_cache(llama, full_cache):
 @pytest.fixture(scope="module")
 def other_cache(eager_models, full_cache):
     """A cache of another model (Phi-3: d_model 256, the Llama's is 128), same tokens."""
-    return run_with_cache(eager_models("phi3"), full_cache.tokens, ["resid_pre", "resid_post", "attn_out", "mlp_out"])
+    return run_with_cache(eager_models("phi3"), full_cache.tokens,
+                          ["resid_pre", "resid_post", "attn_out_post", "mlp_out_post"])
 
 
 @pytest.fixture
@@ -61,15 +62,17 @@ ANALYSIS_CASES = {
     # name: (call(model, caches), error type, message fragment)
     "decompose without attn_out/mlp_out": (
         lambda m, c: decompose_resid(c["posts"]), MissingActivations,
-        r"decompose_resid \(layer=3\) needs attn_out.0, mlp_out.0, attn_out.1, mlp_out.1, attn_out.2, mlp_out.2, "
+        r"decompose_resid \(layer=3\) needs attn_out_post.0, mlp_out_post.0, attn_out_post.1, mlp_out_post.1, "
+        r"attn_out_post.2, mlp_out_post.2, "
         r"which this cache does not hold.*capture them"),
     "decompose with model= without attn_out/mlp_out": (
-        lambda m, c: decompose_resid(c["posts"], model=m), MissingActivations, r"needs attn_out.0, mlp_out.0"),
+        lambda m, c: decompose_resid(c["posts"], model=m), MissingActivations, r"needs attn_out_post.0, mlp_out_post.0"),
     "attribution without attn_out/mlp_out": (
-        lambda m, c: logit_attribution(m, c["posts"], 7), MissingActivations, r"needs attn_out.0"),
+        lambda m, c: logit_attribution(m, c["posts"], 7), MissingActivations, r"needs attn_out_post.0"),
     "attribution without the final resid_post": (
-        lambda m, c: logit_attribution(m, run_with_cache(m, c["full"].tokens, ["resid_pre.0", "attn_out", "mlp_out"]),
-                                       7), MissingActivations, r"needs resid_post.2.*final residual stream"),
+        lambda m, c: logit_attribution(
+            m, run_with_cache(m, c["full"].tokens, ["resid_pre.0", "attn_out_post", "mlp_out_post"]), 7),
+        MissingActivations, r"needs resid_post.2.*final residual stream"),
     "decompose past the first layer from the end": (
         lambda m, c: decompose_resid(c["full"], layer=-5), AnalysisError,
         r"layer=-5 is out of range: layers are 0\.\.3 \(3 = the final resid_post; -1 = 3, -4 = 0\)"),
@@ -112,7 +115,7 @@ ANALYSIS_CASES = {
         lambda m, c: logit_attribution(m, c["other"], 7), AnalysisError,
         r"resid_post.2 in this cache is 256 wide, but .* has d_model=128: it comes from another model"),
     "attribution with components of another width": (
-        lambda m, c: logit_attribution(m, c["full"], 7, components=c["other"].get("attn_out", 0)[None]), AnalysisError,
+        lambda m, c: logit_attribution(m, c["full"], 7, components=c["other"].get("attn_out_post", 0)[None]), AnalysisError,
         r"components is 256 wide"),
     "lens over no layers": (
         lambda m, c: logit_lens(m, c["full"], layers=[]), AnalysisError,

@@ -117,31 +117,31 @@ def test_stream_zero_of_an_moe_model_is_resid_post(tmp_path):
 #: rebuilt from the captured site and the model's own mixing modules). ``seen`` holds the first
 #: input of the named submodules (``""``: the layer), the layer's output (``"out"``) and, for
 #: Gemma 3n, what its AltUp ``correct`` step received (``"altup.correct"``). Qwen4-Exp serves no
-#: ``attn_out`` (its linear-attention layers have no attention module to read it from).
+#: ``attn_out_post`` (its linear-attention layers have no attention module to read it from).
 def _deepseek_v4(layer, seen, attn_out, mlp_out):
     post, comb, _ = layer.attn_hc(seen["attn_hc"])
-    yield "attn_out", seen["ffn_hc"], post.unsqueeze(-1) * attn_out.unsqueeze(-2) + comb.transpose(-1, -2) @ seen["attn_hc"]
+    yield "attn_out_post", seen["ffn_hc"], post.unsqueeze(-1) * attn_out.unsqueeze(-2) + comb.transpose(-1, -2) @ seen["attn_hc"]
     post, comb, _ = layer.ffn_hc(seen["ffn_hc"])
-    yield "mlp_out", seen["out"], post.unsqueeze(-1) * mlp_out.unsqueeze(-2) + comb.transpose(-1, -2) @ seen["ffn_hc"]
+    yield "mlp_out_post", seen["out"], post.unsqueeze(-1) * mlp_out.unsqueeze(-2) + comb.transpose(-1, -2) @ seen["ffn_hc"]
 
 
 def _hy_v4(layer, seen, attn_out, mlp_out):
     post, _ = layer.attn_hc(seen["attn_hc"])
-    yield "attn_out", seen["ffn_hc"], post.unsqueeze(-1) * attn_out.unsqueeze(-2) + seen["attn_hc"]
+    yield "attn_out_post", seen["ffn_hc"], post.unsqueeze(-1) * attn_out.unsqueeze(-2) + seen["attn_hc"]
     post, _ = layer.ffn_hc(seen["ffn_hc"])
-    yield "mlp_out", seen["out"], post.unsqueeze(-1) * mlp_out.unsqueeze(-2) + seen["ffn_hc"]
+    yield "mlp_out_post", seen["out"], post.unsqueeze(-1) * mlp_out.unsqueeze(-2) + seen["ffn_hc"]
 
 
 def _qwen4_exp(layer, seen, attn_out, mlp_out):
     _, mixed, weights = layer.mlp_hyper_connection(seen["mlp_hyper_connection"])
-    yield "mlp_out", seen["out"], mixed + (mlp_out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+    yield "mlp_out_post", seen["out"], mixed + (mlp_out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
 
 
 def _gemma3n(layer, seen, attn_out, mlp_out):
     active = layer.altup.predict(seen[""])[layer.config.altup_active_idx]
     laurel = layer.laurel(layer.input_layernorm(active))
-    yield "attn_out", seen["pre_feedforward_layernorm"], (active + attn_out + laurel) / math.sqrt(2)
-    yield "mlp_out", seen["altup.correct"], seen["pre_feedforward_layernorm"] + mlp_out
+    yield "attn_out_post", seen["pre_feedforward_layernorm"], (active + attn_out + laurel) / math.sqrt(2)
+    yield "mlp_out_post", seen["altup.correct"], seen["pre_feedforward_layernorm"] + mlp_out
 
 
 BLOCKS_INTO_STREAMS = {
@@ -180,22 +180,29 @@ def _watching(layer, names):
 
 @pytest.mark.parametrize("family", tiny_moe.STREAM_FAMILIES)
 def test_block_outputs_on_a_multi_stream_model(stream_model, family):
-    """attn_out / mlp_out are what each block writes before it is spread over the streams: the
-    streams the model formed equal the streams rebuilt from the captured values through the
+    """attn_out_post / mlp_out_post are what each block writes before it is spread over the streams:
+    the streams the model formed equal the streams rebuilt from the captured values through the
     layer's own mixing (e.g. DeepSeek-V4: stream k = post_k * mlp_out + sum_j comb[j, k] * stream_j
-    before the MoE block)."""
+    before the MoE block). attn_out / mlp_out are the blocks' raw outputs: Gemma 3n norms them into
+    the contributions, the others add them as they are."""
     model = stream_model(family)
     tokens = model.to_tokens(PROMPTS[0])
     L = 1
     rebuild, names = BLOCKS_INTO_STREAMS[family]
-    sites = ["mlp_out"] if family == "qwen4_exp" else ["attn_out", "mlp_out"]
+    sites = ["mlp_out_post"] if family == "qwen4_exp" else ["attn_out_post", "mlp_out_post"]
+    raw = [site.removesuffix("_post") for site in sites]
     layer = model.hf.model.layers[L]
     with _watching(layer, names) as seen:
-        cache = run_with_cache(model, tokens, [f"{site}.{L}" for site in sites])
-    got = {site: cache.get(site, L) for site in sites}
+        cache = run_with_cache(model, tokens, [f"{site}.{L}" for site in sites + raw])
+    got = {site: cache.get(site, L) for site in sites + raw}
+    with torch.no_grad():
+        for site in raw:
+            normed = {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"}[site]
+            want = layer.get_submodule(normed)(got[site]) if family == "gemma3n" else got[site]
+            torch.testing.assert_close(got[f"{site}_post"], want, rtol=1e-5, atol=1e-5)
     checked = []
     with torch.no_grad():
-        for site, formed, rebuilt in rebuild(layer, seen, got.get("attn_out"), got["mlp_out"]):
+        for site, formed, rebuilt in rebuild(layer, seen, got.get("attn_out_post"), got["mlp_out_post"]):
             assert got[site].shape == (1, tokens.shape[1], model.info.d_model)
             torch.testing.assert_close(rebuilt, formed, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {site}: {m}")
             checked.append(site)
@@ -223,7 +230,7 @@ def test_single_stream_sites_on_a_multi_stream_model_point_to_the_streams(stream
 
 def test_sites_a_family_table_lacks_are_refused_with_the_valid_list(stream_model):
     model = stream_model("deepseek_v4")
-    with pytest.raises(AddressError, match="deepseek_v4 family table has no 'z'.*valid sites: attn_out, mlp_out"):
+    with pytest.raises(AddressError, match="deepseek_v4 family table has no 'z'.*valid sites: attn_out, attn_out_post, mlp_out"):
         run_with_cache(model, model.to_tokens("Hi"), ["z.0"])
 
 

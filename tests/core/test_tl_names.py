@@ -20,8 +20,10 @@ SPELLED = {
     "blocks.10.hook_resid_post": Address("resid_post", 10),
     "blocks.0.hook_resid_pre": Address("resid_pre", 0),
     "blocks.4.hook_resid_mid": Address("resid_mid", 4),
-    "blocks.1.hook_attn_out": Address("attn_out", 1),
-    "blocks.1.hook_mlp_out": Address("mlp_out", 1),
+    "blocks.1.hook_attn_out": Address("attn_out_post", 1),  # the residual contribution, after any post-norm
+    "blocks.1.hook_mlp_out": Address("mlp_out_post", 1),
+    "blocks.1.attn.hook_out": Address("attn_out", 1),  # the bridge's raw block outputs
+    "blocks.1.mlp.hook_out": Address("mlp_out", 1),
     "blocks.7.attn.hook_z": Address("z", 7),
     "blocks.5.attn.hook_rot_q": Address("q", 5),
     "blocks.5.attn.hook_rot_k": Address("k", 5),
@@ -30,7 +32,14 @@ SPELLED = {
     "blocks.3.mlp.hook_post": Address("mlp_post", 3),
     "blocks.6.mlp.hook_expert_weights": Address("expert_weights", 6),
     "blocks.6.mlp.hook_expert_indices": Address("expert_indices", 6),
-    "ln_final.hook_normalized": Address("final_norm"),
+    "ln_final.hook_normalized": Address("ln_final_normalized"),  # before the final norm's gain
+    "ln_final.hook_out": Address("final_norm"),  # after it: what the unembedding reads
+    "blocks.1.ln1.hook_normalized": Address("ln1_normalized", 1),
+    "blocks.1.ln2.hook_normalized": Address("ln2_normalized", 1),
+    "blocks.1.attn.hook_in": Address("attn_in", 1),
+    "blocks.1.mlp.hook_in": Address("mlp_in", 1),
+    "blocks.1.mlp.hook_pre": Address("mlp_pre", 1),
+    "blocks.1.mlp.hook_pre_linear": Address("mlp_pre_linear", 1),
 }
 
 
@@ -43,16 +52,15 @@ def test_a_tl_name_reads_as_our_address_and_back(name):
 
 
 @pytest.mark.parametrize("name, closest", [
-    ("hook_embed", "'resid_pre.0'"),
+    ("hook_embed", "'embeddings'.*Gemma"),
+    ("blocks.1.hook_mlp_in", r"'resid_mid.1'.*mlp_in.1"),
     ("blocks.3.attn.hook_q", r"'q.3': q.3 is the queries after qk-norm and rotary .*hook_rot_q"),
     ("blocks.3.attn.hook_k", "'k.3'"),
-    ("blocks.2.attn.hook_attn_scores", "'pattern.2'"),
+    ("blocks.2.attn.hook_attn_scores", "'attn_scores.2'.*-inf"),
     ("blocks.2.attn.hook_result", r"'z.2'.*head_contributions\(model, cache, 2\)"),
-    ("blocks.1.ln2.hook_normalized", "'resid_mid.1'"),
-    ("blocks.1.mlp.hook_pre", "'mlp_post.1'"),
     ("blocks.3.hook_resid_psot", r"Did you mean 'blocks.3.hook_resid_post' \(here 'resid_post.3'\)"),
-    ("blocks.3.ln1.hook_normalised", r"Did you mean 'blocks.3.ln1.hook_normalized' \(not a point here; the "
-                                     r"closest is 'resid_pre.3'\)"),
+    ("blocks.3.ln1.hook_normalised", r"Did you mean 'blocks.3.ln1.hook_normalized' \(here 'ln1_normalized.3'\)"),
+    ("blocks.3.ln1.hook_scale", r"'resid_pre.3'.*scale is not a point"),
 ])
 def test_a_tl_name_without_an_equivalent_names_the_closest(name, closest):
     with pytest.raises(AddressError, match=closest):
@@ -68,7 +76,7 @@ def test_points_without_a_tl_name_say_so():
 
 def test_the_saelens_export_names_its_column_from_the_same_table():
     for name, address in SPELLED.items():
-        if address.name not in ("pattern", "expert_weights", "expert_indices", "final_norm"):
+        if address.name not in ("pattern", "expert_weights", "expert_indices", "final_norm", "ln_final_normalized"):
             assert tl_hook_name(str(address)) == name
 
 
@@ -86,7 +94,7 @@ def test_tl_names_capture_look_up_and_edit_as_ours(model, tokens):
     """The same call with TL names returns the same tensors under our addresses (the same
     computation: bit for bit), answers lookups by either name, and edits keyed by TL names equal
     edits keyed by ours."""
-    ours = ["resid_post.1", "z.0", "mlp_post.2", "resid_pre.0", "attn_out.1", "pattern.1"]
+    ours = ["resid_post.1", "z.0", "mlp_post.2", "resid_pre.0", "attn_out_post.1", "pattern.1"]
     theirs = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.2.mlp.hook_post",
               "blocks.0.hook_resid_pre", "blocks.1.hook_attn_out", "blocks.1.attn.hook_pattern"]
     want = run_with_cache(model, tokens, ours)
@@ -135,7 +143,7 @@ def test_negative_layers_count_from_the_end(model, tokens, tmp_path):
 
 def test_analysis_takes_negative_layers_and_an_int(model, tokens):
     n = model.n_layers
-    cache = run_with_cache(model, tokens, ["resid_pre.0", "resid_post", "attn_out", "mlp_out", "z"])
+    cache = run_with_cache(model, tokens, ["resid_pre.0", "resid_post", "attn_out_post", "mlp_out_post", "z"])
     assert torch.equal(logit_lens(model, cache, [-1]), logit_lens(model, cache, [n - 1]))
     assert torch.equal(logit_lens(model, cache, -1), logit_lens(model, cache, [n - 1]))  # an int is one layer
     assert torch.equal(logit_lens(model, cache, 1), logit_lens(model, cache, [1]))
@@ -171,7 +179,7 @@ def test_cfg_tokenizer_and_d_vocab_as_transformer_lens_names_them(model):
 def test_final_norm_is_what_the_unembedding_reads(model, tokens):
     """final_norm equals Hugging Face's last hidden state (after the model's norm), and the
     unembedding of it is the logits; asked with an early layer, the forward still runs whole."""
-    cache = run_with_cache(model, tokens, ["ln_final.hook_normalized", "resid_post.0", "logits", "resid_post.-1"])
+    cache = run_with_cache(model, tokens, ["ln_final.hook_out", "resid_post.0", "logits", "resid_post.-1"])
     real = tokens >= 0
     with torch.no_grad():
         hidden = model.hf(input_ids=tokens.clamp(min=0), attention_mask=real, output_hidden_states=True).hidden_states

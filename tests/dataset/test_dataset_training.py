@@ -42,7 +42,7 @@ def _stream(ds, point):
 
 @pytest.mark.parametrize("layout,point,hook", [("token", "resid_post.2", "blocks.2.hook_resid_post"),
                                                ("token", "z.1", "blocks.1.attn.hook_z"),
-                                               ("sequence", "mlp_out.0", "blocks.0.hook_mlp_out")])
+                                               ("sequence", "mlp_out.0", "blocks.0.mlp.hook_out")])
 def test_saelens_export_loads_with_load_from_disk(built, layout, point, hook, tmp_path):
     import datasets as hf
 

@@ -13,7 +13,8 @@ from ..devices import load_kwargs, on
 
 PROMPT = "The quick brown fox jumps"
 LAYERS = range(3)
-DENSE = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v", "mlp_post"]
+DENSE = ["resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post", "z", "q", "k",
+         "v", "mlp_post"]
 
 
 @pytest.fixture(scope="module", params=DENSE_FAMILIES)
@@ -52,8 +53,10 @@ def test_resid_post_is_hf_hidden_state(model, tokens):
 
 def test_residual_identities(cache):
     for l in LAYERS:
-        torch.testing.assert_close(cache.get("resid_mid", l), cache.get("resid_pre", l) + cache.get("attn_out", l), atol=1e-5, rtol=0)
-        torch.testing.assert_close(cache.get("resid_post", l), cache.get("resid_mid", l) + cache.get("mlp_out", l), atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.get("resid_mid", l), cache.get("resid_pre", l) + cache.get("attn_out_post", l),
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.get("resid_post", l), cache.get("resid_mid", l) + cache.get("mlp_out_post", l),
+                                   atol=1e-5, rtol=0)
         if l + 1 in LAYERS:
             assert torch.equal(cache.get("resid_post", l), cache.get("resid_pre", l + 1))
 
@@ -67,9 +70,10 @@ def test_z_through_output_projection_is_attn_out(model, family, cache):
     for l in LAYERS:
         attn = layer(model, l).self_attn
         out = attn.o_proj(cache.get("z", l).flatten(-2))
+        torch.testing.assert_close(out, cache.get("attn_out", l), atol=1e-5, rtol=1e-5)
         if family == "gemma2":
             out = layer(model, l).post_attention_layernorm(out)
-        torch.testing.assert_close(out, cache.get("attn_out", l), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, cache.get("attn_out_post", l), atol=1e-5, rtol=1e-5)
 
 
 def test_head_contributions_sum_to_projection(model, cache):
@@ -84,9 +88,10 @@ def test_head_contributions_sum_to_projection(model, cache):
 def test_mlp_post_through_down_projection_is_mlp_output(model, family, cache):
     for l in LAYERS:
         out = layer(model, l).mlp.down_proj(cache.get("mlp_post", l))
+        torch.testing.assert_close(out, cache.get("mlp_out", l), atol=1e-5, rtol=1e-5)
         if family == "gemma2":
             out = layer(model, l).post_feedforward_layernorm(out)
-        torch.testing.assert_close(out, cache.get("mlp_out", l), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, cache.get("mlp_out_post", l), atol=1e-5, rtol=1e-5)
 
 
 def test_mlp_post_is_activation_of_normed_resid_mid(model, family, cache):

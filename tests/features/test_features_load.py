@@ -132,7 +132,7 @@ def test_saelens_v5_folder(tmp_path):
            "hook_name": "blocks.1.hook_mlp_out", "hook_layer": 1, "hook_head_index": None,
            "normalize_activations": "none", "dtype": "float32", "device": "cpu", "sae_lens_training_version": "5.9.1"}
     d = load_dictionary(saelens_folder(tmp_path / "v5", cfg, w))
-    assert d.reads == Address("mlp_out", 1) and d.k == 7
+    assert d.reads == Address("mlp_out_post", 1) and d.k == 7
     check(d, w, inputs(), act="topk", k=7)
 
 
@@ -194,7 +194,7 @@ def test_transcoders_read_one_site_and_predict_another(tmp_path, architecture):
     cfg = v6(architecture, hook="blocks.3.hook_resid_mid", d_out=12, apply_b_dec_to_input=False,
              metadata={"hook_name_out": "blocks.3.hook_mlp_out"})
     d = load_dictionary(saelens_folder(tmp_path / architecture, cfg, w))
-    assert (d.reads, d.writes, d.is_transcoder, d.d_out) == (Address("resid_mid", 3), Address("mlp_out", 3), True, 12)
+    assert (d.reads, d.writes, d.is_transcoder, d.d_out) == (Address("resid_mid", 3), Address("mlp_out_post", 3), True, 12)
     assert (d.W_skip is not None) == skip
     check(d, w, inputs(), act="jumprelu" if "jumprelu" in architecture else "relu", transcoder=True)
 
@@ -230,7 +230,7 @@ def test_dtype_and_device_and_key():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"reads": "blocks.3.ln2.hook_normalized"}, "resid_mid.3"),
+    ({"reads": "blocks.3.ln2.hook_scale"}, "resid_mid.3"),
     ({"reads": "blocks.3.hook_nonsense"}, "known: blocks.L.hook_resid_pre"),
     ({"reads": "pattern.1"}, "one vector per position at one of"),
     ({"reads": "logits"}, "one vector per position at one of"),

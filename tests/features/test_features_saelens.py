@@ -118,7 +118,7 @@ def test_saelens_transcoders(tmp_path, kind):
                                        metadata=meta("blocks.1.hook_resid_mid", hook_name_out="blocks.1.hook_mlp_out"))
     randomise(getattr(tc, kind)(cfg), 6).save_model(tmp_path / "tc")
     ours = load_dictionary(tmp_path / "tc")
-    assert (ours.reads, ours.writes) == (Address("resid_mid", 1), Address("mlp_out", 1))
+    assert (ours.reads, ours.writes) == (Address("resid_mid", 1), Address("mlp_out_post", 1))
     assert (ours.W_skip is not None) == ("Skip" in kind)
     agree(ours, sae_lens.SAE.load_from_disk(tmp_path / "tc"), x_for(), transcoder=True)
 
@@ -185,3 +185,41 @@ def test_a_saved_dictionary_runs_the_same_in_saelens(tmp_path, kind):
     f, out = back.forward(x_for())
     want_f, want_out = ours.forward(x_for())
     assert relative_error(f, want_f) <= SAME_BACKEND and relative_error(out, want_out) <= SAME_BACKEND
+
+
+def test_a_transcoder_trained_on_ln2_hook_normalized_reads_that_tensor(tmp_path, eager_models):
+    """Gemma Scope's / circuit-tracer's transcoders read TransformerLens's ``ln2.hook_normalized``:
+    the pre-MLP norm before its gain. One saved by SAELens with that hook loads, runs at
+    ``ln2_normalized.L`` and its features equal SAELens's own encode of that tensor, written out
+    here from the norm's input (Gemma 2: ``pre_feedforward_layernorm``). The MLP's input (after
+    the gain) would give other features."""
+    from sae_lens.saes import transcoder as tc
+
+    from interp_engine import run_with_cache
+
+    model = eager_models("gemma2")
+    d = model.d_model
+    cfg = tc.TranscoderConfig(d_in=d, d_sae=D_SAE, d_out=d, apply_b_dec_to_input=False,
+                              metadata=meta("blocks.1.ln2.hook_normalized", hook_name_out="blocks.1.hook_mlp_out"))
+    randomise(tc.Transcoder(cfg), 12).save_model(tmp_path / "tc")
+    theirs = sae_lens.SAE.load_from_disk(tmp_path / "tc")
+    ours = load_dictionary(tmp_path / "tc")
+    assert (ours.reads, ours.writes) == (Address("ln2_normalized", 1), Address("mlp_out_post", 1))
+    tokens = model.to_tokens("The quick brown fox jumps over")
+    seen = {}
+    norm = model.hf.model.layers[1].pre_feedforward_layernorm
+    handle = norm.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0].detach().clone()))
+    try:
+        cache = run_with_cache(model, tokens, ["ln2_normalized.1.features", "mlp_in.1"], saes=ours)
+    finally:
+        handle.remove()
+    x = seen["x"].double()
+    normalized = (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)).float()
+    with torch.no_grad():
+        want = theirs.encode(normalized)
+        wrong = theirs.encode(cache["mlp_in.1"])
+    got = cache["ln2_normalized.1.features"]
+    assert relative_error(got, want) <= SAME_BACKEND
+    assert torch.equal(got != 0, want != 0), "the active features differ"
+    # the MLP's input (after the gain, near 1 in a random tiny model) is another tensor
+    assert relative_error(wrong, want) > 1e-2

@@ -18,7 +18,8 @@ from ..probes import engine_state
 pytest.importorskip("vllm")
 
 LAYER = 1
-SITES = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k", "v"]
+SITES = ["resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post", "z", "mlp_post",
+         "q", "k", "v"]
 PROMPT = "steer this prompt"
 
 

@@ -31,7 +31,8 @@ def test_every_served_site_matches_eager(pair):
     vllm, eager = pair
     info = vllm.info
     points = [f"resid_streams.{L}.{S}" for L in range(info.n_layers) for S in range(info.n_streams)]
-    points += [f"{site}.{L}" for L in range(info.n_layers) for site in ("attn_out", "mlp_out", "z", "q", "mlp_post")]
+    points += [f"{site}.{L}" for L in range(info.n_layers) for site in ("attn_out", "attn_out_post", "mlp_out",
+                                                                          "mlp_out_post", "z", "q", "mlp_post")]
     points += ["logits"]
     tokens = vllm.to_tokens(PROMPT)
     got, want = run_with_cache(vllm, tokens, points), run_with_cache(eager, tokens, points)

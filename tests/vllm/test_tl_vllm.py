@@ -131,7 +131,7 @@ def test_lists_in_generation_and_beside_other_requests(models, tokens):
 
 def test_final_norm_cfg_tokenizer_repr_and_short_errors(models, tokens):
     vllm_model, eager = models
-    got = run_with_cache(vllm_model, tokens, ["ln_final.hook_normalized", "logits", "resid_post.0"])
+    got = run_with_cache(vllm_model, tokens, ["ln_final.hook_out", "logits", "resid_post.0"])
     want = run_with_cache(eager, tokens, ["final_norm", "logits"])
     assert_near(got["final_norm"], want["final_norm"], "final_norm", REL)
     assert_near(vllm_model.unembed(got["final_norm"]), got["logits"], "unembed(final_norm) = logits", REL)

@@ -19,7 +19,8 @@ from ..tiny import DENSE_FAMILIES
 
 pytest.importorskip("vllm")
 
-SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "q", "k", "v", "mlp_post")
+SITES = ("resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post", "z", "q", "k",
+         "v", "mlp_post")
 
 
 @pytest.fixture(scope="module", params=DENSE_FAMILIES)
@@ -75,10 +76,10 @@ def test_identities_hold(pair):
     vllm, _ = pair
     tokens = vllm.to_tokens("identities")
     layer = vllm.n_layers - 1
-    c = run_with_cache(vllm, tokens, [f"{s}.{layer}" for s in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
+    c = run_with_cache(vllm, tokens, [f"{s}.{layer}" for s in ("resid_pre", "attn_out_post", "resid_mid", "mlp_out_post",
                                                               "resid_post")] + ["resid_post.0", "resid_pre.1"])
-    torch.testing.assert_close(c.get("resid_pre", layer) + c.get("attn_out", layer), c.get("resid_mid", layer))
-    torch.testing.assert_close(c.get("resid_mid", layer) + c.get("mlp_out", layer), c.get("resid_post", layer))
+    torch.testing.assert_close(c.get("resid_pre", layer) + c.get("attn_out_post", layer), c.get("resid_mid", layer))
+    torch.testing.assert_close(c.get("resid_mid", layer) + c.get("mlp_out_post", layer), c.get("resid_post", layer))
     torch.testing.assert_close(c.get("resid_post", 0), c.get("resid_pre", 1))
 
 

@@ -42,10 +42,26 @@ def _family_eager(module) -> Callable:
     return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
 
 
-def _notify(module, query, key, value, weights):
+def _notify(module, query, key, value, weights, scores=None):
     listener = _LISTENERS.get(module)
     if listener is not None:
-        listener(query, key, value, weights)
+        listener(query, key, value, weights, scores)
+
+
+def _scores(module, query, key, attention_mask, kwargs):
+    """The pre-softmax scores as the standard eager attention forms them (the families whose
+    record serves ``attn_scores``): ``q k^T * scaling``, then the logit softcap the module passes,
+    then the additive mask (masked entries are the dtype's minimum). Sinks are not scores."""
+    groups = query.shape[1] // key.shape[1]
+    keys = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    scaling = kwargs.get("scaling")
+    scores = torch.matmul(query, keys.transpose(2, 3)) * (module.head_dim**-0.5 if scaling is None else scaling)
+    cap = kwargs.get("softcap")
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        scores = scores + attention_mask[..., : keys.shape[-2]]
+    return scores
 
 
 def _interp_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -62,6 +78,7 @@ def _interp_eager(module, query, key, value, attention_mask, **kwargs):
     if editor is not None:
         query, key, value = editor.inputs(query, key, value)
     out, weights = _family_eager(module)(module, query, key, value, attention_mask, **kwargs)
+    scores = lambda: _scores(module, query, key, attention_mask, kwargs)  # noqa: E731  (formed only if asked)
     if editor is not None:
         edited = editor.weights(weights)
         if edited is not None:  # the output is the edited probabilities times the values
@@ -69,7 +86,7 @@ def _interp_eager(module, query, key, value, attention_mask, **kwargs):
             groups = query.shape[1] // value.shape[1]
             values = value.repeat_interleave(groups, dim=1) if groups > 1 else value
             out = torch.matmul(weights.to(values.dtype), values).transpose(1, 2).contiguous()
-    _notify(module, query, key, value, weights)
+    _notify(module, query, key, value, weights, scores)
     return out, weights
 
 
@@ -120,7 +137,8 @@ def editing(module, editor):
 
 @contextlib.contextmanager
 def listening(module, callback):
-    """Call ``callback(query, key, value, weights)`` each time ``module`` attends."""
+    """Call ``callback(query, key, value, weights, scores)`` each time ``module`` attends (``scores``:
+    a function that forms the pre-softmax scores, on the eager path; None on SDPA)."""
     _LISTENERS[module] = callback
     try:
         yield

@@ -15,7 +15,7 @@ import threading
 import torch
 
 from interp_engine import cancel
-from interp_engine.address import Address
+from interp_engine.address import SITES, Address
 from interp_engine.archs import arch_for, describe, model_info, record_for_model, unserved_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
@@ -42,7 +42,8 @@ def zero_padding(tensor: torch.Tensor, mask: torch.Tensor, address: Address) -> 
 class EagerModel(CaptureModel):
     capabilities = Capabilities(
         "eager", "HF transformers", batched=True, forms_pattern=True, gradients=True,
-        writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
+        writable=frozenset({"resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post",
+                            "z", "mlp_post", "q", "k",
                             "v", "pattern", "resid_streams"}),
         function_edits=True, takes_device=True, features=True)
 
@@ -150,7 +151,7 @@ class EagerModel(CaptureModel):
         tokens, addresses, detach = request.tokens, list(request.points), request.detach
         positions, edits = request.positions, request.edits
         mask = tokens >= 0
-        want_logits = Address("logits") in addresses
+        want_logits = any(getattr(SITES.get(a.name), "unembedding", False) for a in addresses)
         whole = any(a.layer is None for a in addresses)  # the logits or the final norm: every layer runs
         with self._lock, self._grad_context(detach):
             cancel.checkpoint("before it ran")  # a cancelled call queued on the lock never runs

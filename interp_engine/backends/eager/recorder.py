@@ -10,7 +10,7 @@ Edits (see :mod:`interp_engine.edits`) go through the same table: the hook that 
 also writes it, editing first, so a capture of the edited address sees the edited value and
 every later module computes from it. ``resid_mid`` is a local variable of a decoder layer, so
 it is written through what the attention block adds (the identity ``resid_mid = resid_pre +
-attn_out``): ``attn_out' = edited(resid_pre + attn_out) - resid_pre``.
+attn_out_post``): ``attn_out_post' = edited(resid_pre + attn_out_post) - resid_pre``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from interp_engine.address import Address
+from interp_engine.address import SITES, Address
 from interp_engine.points import ModelInfo
 from interp_engine.archs import Arch, group_sites
 from interp_engine.archs.base import layer_module
@@ -31,6 +31,7 @@ from interp_engine.edits import Planned, edit_chain
 from interp_engine.positions import Selection, gather_positions
 from . import attention
 from .attention_edits import AttentionEditor
+from .norms import pre_gain
 from ..heads import split_heads
 
 
@@ -70,6 +71,7 @@ _LAYOUTS = {
     "b p s d": lambda t, batch, s, n: t[:, :, s].clone(),
     "s b p d": lambda t, batch, s, n: t[s].clone(),
     "b p (s d)": lambda t, batch, s, n: t.unflatten(-1, (n, -1))[:, :, s].clone(),
+    "b h p d": lambda t, batch, s, n: t.transpose(1, 2),
 }
 
 
@@ -112,7 +114,7 @@ class Recorder:
 
     @property
     def needs_pattern(self) -> bool:
-        return any(a.name == "pattern" for a in [*self.addresses, *self.edits])
+        return any(getattr(SITES.get(a.name), "needs_pattern", False) for a in [*self.addresses, *self.edits])
 
     def __enter__(self):
         try:
@@ -169,9 +171,13 @@ class Recorder:
                 self._stash[(address.layer, pre.module, pre.phase)] = address.layer
                 by_module.setdefault((address.layer, pre.module, pre.phase), [])
 
+        for address in sites:  # model-level reads the family record names (the embedding, the unembedding)
+            if address.layer is None and address.name in self.arch.sites:
+                hook = self._hooks[address] = self.arch.sites[address.name]
+                by_module.setdefault((None, hook.module, hook.phase), []).append(address)
         for key, addresses in by_module.items():
             layer, path, kind = key
-            module = layer_module(self.layers[layer], path)
+            module = self.hf.get_submodule(path) if layer is None else layer_module(self.layers[layer], path)
             if kind == "attention":
                 if addresses:
                     self._stack.enter_context(attention.listening(module, self._attention_listener(addresses)))
@@ -179,6 +185,9 @@ class Recorder:
                     self._stack.enter_context(attention.editing(module, AttentionEditor(self, self._edit_at[key])))
             elif kind == "in":
                 handle = module.register_forward_pre_hook(self._input_hook(key, addresses), with_kwargs=True)
+                self._stack.callback(handle.remove)
+            elif kind == "normalized":
+                handle = module.register_forward_pre_hook(self._normalized_hook(key, addresses), with_kwargs=True)
                 self._stack.callback(handle.remove)
             else:
                 handle = module.register_forward_hook(self._output_hook(key, addresses))
@@ -200,8 +209,8 @@ class Recorder:
 
     def _write_hook(self, address: Address):
         """Where an edit of ``address`` is written: its own hook, except resid_mid, written through
-        attn_out from the layer's input (see the module docstring)."""
-        return self.arch.sites["attn_out" if address.name == "resid_mid" else address.name]
+        attn_out_post from the layer's input (see the module docstring)."""
+        return self.arch.sites["attn_out_post" if address.name == "resid_mid" else address.name]
 
     def _batch_hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -258,6 +267,16 @@ class Recorder:
 
         return hook
 
+    def _normalized_hook(self, key, addresses):
+        """Read the norm's output before its gain, recomputed from its input (:mod:`.norms`); the
+        forward goes on unchanged (a dictionary reading here only encodes)."""
+        def hook(module, args, kwargs):
+            tensor = self._edit(key, pre_gain(module, _hidden_input(args, kwargs)))
+            for a in addresses:
+                self.keep(a, tensor)
+
+        return hook
+
     def _output_hook(self, key, addresses):
         written = self._edit_at.get(key)
         index = self._write_hook(written[0]).index if written else 0
@@ -279,13 +298,15 @@ class Recorder:
         return hook
 
     def _attention_listener(self, addresses):
-        def listener(query, key, value, weights):
+        def listener(query, key, value, weights, scores):
             q_len = query.shape[2]
             # With a KV cache the keys and values hold every past position; keep this step's.
             seen = {"q": query, "k": key[:, :, -q_len:], "v": value[:, :, -q_len:]}
             for a in addresses:
                 if a.name == "pattern":
                     self.keep(a, weights)
+                elif a.name == "attn_scores":
+                    self.keep(a, scores())
                 else:
                     self.keep(a, seen[a.name].transpose(1, 2))
 
@@ -301,7 +322,8 @@ class Recorder:
             chunks = self.chunks[address]
             if len(address.position_axes) > 1:  # keys too (pattern): each step sees more of them
                 width = chunks[-1].shape[-1]
-                chunks = [F.pad(c, (0, width - c.shape[-1])) for c in chunks]
+                fill = torch.finfo(chunks[-1].dtype).min if SITES[address.name].masked_min else 0.0
+                chunks = [F.pad(c, (0, width - c.shape[-1]), value=fill) for c in chunks]
                 out[address] = torch.cat(chunks, dim=address.query_axis) if len(chunks) > 1 else chunks[0]
             else:
                 out[address] = torch.cat(chunks, dim=address.query_axis) if len(chunks) > 1 else chunks[0]

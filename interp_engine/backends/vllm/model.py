@@ -8,7 +8,8 @@ continuous batching. Workers record each request's rows at its points
 (:mod:`.worker.hooks`); this module puts the ranks' pieces together into ``[1, pos, ...]``
 tensors with the same shapes as the eager backend's.
 
-Served: ``resid_pre/mid/post``, ``attn_out``, ``mlp_out``, ``z``, ``q``/``k``/``v`` (as the
+Served: ``resid_pre/mid/post``, ``attn_out`` / ``mlp_out`` (the blocks' raw outputs) and ``attn_out_post``
+/ ``mlp_out_post`` (what they add to the residual), ``z``, ``q``/``k``/``v`` (as the
 attention kernel takes them: after qk-norm and rotary), ``mlp_post``, ``logits``, and
 ``resid_streams.L.0`` (the single stream, equal to ``resid_post.L``); on MoE families
 ``router_logits`` and, where the router's selection is read from the call that hands it to the
@@ -31,7 +32,7 @@ import torch
 
 from interp_engine import cancel
 from interp_engine.address import Address, FeatureAddress
-from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_sites
+from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unserved_sites, vllm_reads, vllm_sites
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.edit_directions import DIRECTIONAL
@@ -80,7 +81,8 @@ def _scores(steps, generated: list[int], top: int) -> tuple[list[float], list[di
 class VllmModel(FetchedUnembedding, CaptureModel):
     capabilities = Capabilities(
         "vllm", "vLLM", batched=False, forms_pattern=False, gradients=False,
-        writable=frozenset({"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "z", "mlp_post", "q", "k",
+        writable=frozenset({"resid_pre", "attn_out", "attn_out_post", "resid_mid", "mlp_out", "mlp_out_post", "resid_post",
+                            "z", "mlp_post", "q", "k",
                             "v"}),
         function_edits=False, takes_device=False, features=True)
     batch_hint = "A cluster model (load_model(..., replicas=N)) splits a batch for you."
@@ -124,7 +126,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         """The capabilities of a model with this config before its engine starts (the engine may
         find more sites it cannot read exactly)."""
         arch = arch_for(hf_config)
-        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)), arch.vllm_refused)
+        return cls.capabilities.serving(unserved_sites(vllm_sites(arch.family)),
+                                        {**vllm_reads.EAGER_ONLY, **arch.vllm_refused})
 
     @classmethod
     def load(cls, path, name: str, *, dtype: torch.dtype, device: str | None = None, requires_grad: bool = False,
@@ -217,7 +220,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 if sharded:
                     raise InputError(f"{d!r} sits at {sharded[0]}, which tensor parallelism splits over ranks by "
                                      f"{self.sites[sharded[0].name].shard}; dictionaries run on replicated sites "
-                                     f"(resid_*, attn_out, mlp_out) under tensor_parallel_size > 1, or load the "
+                                     f"(resid_*, attn_out[_post], mlp_out[_post]) under tensor_parallel_size > 1, or load the "
                                      f"model with tensor_parallel_size=1")
             if d.key not in self._dictionaries:
                 run_on_loop(self._loop, "interp_add_dictionary", dictionary_for_worker(d))

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 #: the workers' fake GPUs hold the folder's llama replicas; these take half a CPU each, one torch thread
 CPU_REPLICA = dict(gpus_per_replica=0, cpus_per_replica=0.5, device="cpu", torch_threads=1)
-POINTS = ["resid_pre.0", "attn_out", "mlp_out", "resid_mid.1", "resid_post", "z.1", "logits"]
+POINTS = ["resid_pre.0", "attn_out_post", "mlp_out_post", "resid_mid.1", "resid_post", "z.1", "logits"]
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def test_tl_names_negative_layers_and_lists_on_a_cluster(which, cluster_llama, r
 def test_final_norm_cfg_and_repr_on_a_cluster(which, cluster_llama, request, local):
     model = cluster_llama if which == "eager" else request.getfixturevalue("cluster_vllm")
     tokens = local.tok.to_tokens(PROMPTS)
-    got = run_with_cache(model, tokens, ["ln_final.hook_normalized", "logits"])
+    got = run_with_cache(model, tokens, ["ln_final.hook_out", "logits"])
     want = run_with_cache(local, tokens, ["final_norm", "logits"])
     for address in want:
         assert_near(got[address], want[address], f"{which} cluster {address}", REL)

@@ -10,8 +10,8 @@ Sites are found through the vLLM site table (``Arch.vllm``, :mod:`interp_engine.
 site is the sum of several tensors (``resid_pre`` = ``hidden_states + residual``, ``resid_post``
 = ``out[0] + out[1]``: vLLM fuses the residual add into the next norm) the edit is written to the
 last part: ``last' = edited(sum) - others``, so the next fused add sees the edited residual and
-the other parts (``mlp_out`` is ``out[0]``) are left as computed. ``resid_mid`` is written, as on
-the eager backend, through what attention adds: ``attn_out' = edited(resid_pre + attn_out) -
+the other parts (``mlp_out_post`` is ``out[0]``) are left as computed. ``resid_mid`` is written, as on
+the eager backend, through what attention adds: ``attn_out_post' = edited(resid_pre + attn_out_post) -
 resid_pre``.
 
 Under tensor parallelism the replicated sites are edited alike on every rank; the sharded ones
@@ -178,7 +178,7 @@ class EditBook:
             self._local[key] = _localize(edit, address, shard, self.info, self.tp_rank, self.tp_size)
         return self._local[key]
 
-    # -- resid_mid through attn_out ---------------------------------------------------------------
+    # -- resid_mid through attn_out_post ----------------------------------------------------------
     def keep_resid_pre(self, layer: int, parts: list[torch.Tensor]) -> None:
         self._resid_pre[layer] = parts[0] if len(parts) == 1 else parts[0] + parts[1]
 

@@ -172,8 +172,8 @@ class WorkerRecorder:
         return bool(self.editor.spans or self.features.spans)
 
     def _write_read(self, address: Address) -> Hook:
-        """Where an edit of ``address`` is written: its own read, except resid_mid (through attn_out)."""
-        return self.table["attn_out" if address.name == "resid_mid" else address.name]
+        """Where an edit of ``address`` is written: its own read, except resid_mid (through attn_out_post)."""
+        return self.table["attn_out_post" if address.name == "resid_mid" else address.name]
 
     def _apply(self, group: Group, values: dict) -> bool:
         """Apply this forward's edits at ``group`` to ``values`` (part name or index -> tensor),

@@ -20,7 +20,7 @@ DEVICE = "cpu"
 #: the test modules that run unchanged on any device
 MODULES = ("test_eager", "test_edits", "test_generation_eager", "test_positions", "test_analysis",
            "test_lens", "test_moe", "test_cache", "test_address",
-           "test_families", "test_family_gemma", "test_family_olmo", "test_family_gpt_oss")
+           "test_families", "test_family_gemma", "test_family_olmo", "test_family_gpt_oss", "test_must_change")
 
 
 def paths(root: Path = Path(__file__).resolve().parents[1]) -> list[str]:

@@ -104,6 +104,8 @@ def test_the_default_deadline_is_the_documented_300_s(clock):
     retry = transport.Retry("a capture")
     lost = transport.Lost("replica lost", retry_after=60.0)
     assert [retry.delay(lost) for _ in range(4)] == [60.0] * 4 and clock.now == 1000.0  # delay() only computes
-    clock.now += 241  # 60 s more would end after the 300 s deadline
-    with pytest.raises(ServiceError, match="failed 5 times over 300s"):
+    clock.now += 240
+    assert retry.delay(lost) == 60.0  # ends exactly at the deadline: still allowed
+    clock.now += 1  # 60 s more would end 1 s after the 300 s deadline
+    with pytest.raises(ServiceError, match="failed 6 times over 241s"):
         retry.delay(lost)

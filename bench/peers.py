@@ -25,11 +25,12 @@ tools and variants in an order shuffled anew each repetition (see ``timing.py``)
 interp_engine's (relative error <= 1e-4 at three layers per site), so no variant measures a
 no-op.
 
-The peers are an optional extra, installed beside the pinned stack (they change neither torch
-nor transformers):
+The peers are an optional extra, installed in their own venv (``make bench`` builds
+``.venv-bench``): TransformerLens 4 replaces the transformer-lens<4 that sae-lens, a test oracle,
+needs, so it must stay out of the test venv:
 
-    .venv/bin/python -m pip install -e ".[bench]"
-    .venv/bin/python bench/peers.py [--reps 5] [--warmup 1] [--threads N] [--only tl nn]
+    make .venv-bench/.installed
+    .venv-bench/bin/python bench/peers.py [--reps 5] [--warmup 1] [--threads N] [--only tl nn]
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
             importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             raise SystemExit(f"{package} is not installed; the peers are the optional `bench` extra: "
-                             f'.venv/bin/python -m pip install -e ".[bench]"') from None
+                             "make .venv-bench/.installed (their own venv, never the test venv's)") from None
 
     path = str(embedded.ensure())
     model, hf_plain, ie_capture = interp_engine_tool(path)

@@ -43,9 +43,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: the packages that are the oracle of some test module (the `test` extra): where one does not
+#: import, its tests skip; on CI (``CI=true``) that is a failure, not a pass
+ORACLES = ("sae_lens", "datasets", "duckdb", "moto")
+
+
+def missing_oracles() -> list[str]:
+    """``"name: why"`` for each of :data:`ORACLES` that does not import here."""
+    missing = []
+    for name in ORACLES:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            missing.append(f"{name}: {err}")
+    return missing
+
+
 def pytest_collection_finish(session):
-    """When engines will start (the items left after ``-m`` deselection), vLLM's per-class inspection runs for every fixture family at once,
-    in the background (tests/vllm_warm.py), instead of in a subprocess per family."""
+    """On CI, every oracle package must import (a skipped oracle module would pass CI silently:
+    TransformerLens 4 in the test venv breaks ``import sae_lens``). Then, when engines will start
+    (the items left after ``-m`` deselection), vLLM's per-class inspection runs for every fixture
+    family at once, in the background (tests/vllm_warm.py), instead of in a subprocess per family."""
+    if os.environ.get("CI", "").lower() in ("true", "1") and (missing := missing_oracles()):
+        pytest.exit("CI=true and test oracles do not import, so their tests would skip: " + "; ".join(missing)
+                    + ". Install the test extra into this venv (pip install -e '.[test]'); keep the bench "
+                    "extra out of it (make bench uses .venv-bench)", returncode=1)
     config = session.config
     if importlib.util.find_spec("vllm") is None or not any(i.get_closest_marker("vllm") for i in session.items):
         return

@@ -10,6 +10,8 @@ CPU by design).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 #: set once by conftest.pytest_configure from ``--device``
@@ -17,7 +19,21 @@ DEVICE = "cpu"
 
 #: the test modules that run unchanged on any device
 MODULES = ("test_eager", "test_edits", "test_generation_eager", "test_positions", "test_analysis",
-           "test_lens", "test_moe", "test_cache", "test_address")
+           "test_lens", "test_moe", "test_cache", "test_address",
+           "test_families", "test_family_gemma", "test_family_olmo", "test_family_gpt_oss", "test_must_change")
+
+
+def paths(root: Path = Path(__file__).resolve().parents[1]) -> list[str]:
+    """The file of each module in :data:`MODULES`, relative to ``root`` (found under tests/
+    wherever it lives, so a module that moves folders stays in the device run)."""
+    found = []
+    for name in MODULES:
+        files = sorted((root / "tests").rglob(f"{name}.py"))
+        if len(files) != 1:
+            raise SystemExit(f"tests/devices.py MODULES names {name!r}, found {len(files)} files for it under "
+                             f"tests/: {[str(f) for f in files]}; rename or remove the entry")
+        found.append(str(files[0].relative_to(root)))
+    return found
 
 
 def on(model, tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,11 @@ A python block states results two ways, and the runner checks both (:func:`instr
   imports torch; it ends at two spaces or the end of the line, and what follows is prose).
   A ``torch.Size`` or tuple equals the list of the same numbers (:func:`promised`);
 - a bare comparison statement (``a == b``, ``x in y``), whose result a reader would otherwise
-  take on trust, is asserted.
+  take on trust, is asserted;
+- ``name = expr  # [batch, pos, d_model]``: a shape stated with symbols (:func:`shaped`): the
+  same number of axes; a number is that size; a symbol that is a size of ``model`` (``d_model``,
+  ``n_layers``, ``n_experts``, …) is that size; any other symbol (``batch``, ``pos``) takes the
+  size it first meets and keeps it for the rest of the blocks run together.
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ def command_key(code: str) -> str:
 
 
 PROMISE = re.compile(r"^(?P<indent>\s*)(?P<expr>\S.*?)\s*#\s*->\s*(?P<value>.*?)\s*$")
+SHAPE = re.compile(r"^(?P<indent>\s*)(?P<target>[A-Za-z_]\w*)\s*=\s*(?P<expr>[^#]*?)\s*"
+                   r"#\s*\[(?P<dims>\s*\w+(?:\s*,\s*\w+)*\s*)\](?:\s{2,}.*)?\s*$")
 
 
 def instrument(block: Block) -> tuple[str, int]:
@@ -126,6 +132,13 @@ def instrument(block: Block) -> tuple[str, int]:
                              f"{line.strip()!r}") from None
         lines[i] = f"{found['indent']}__promised__({expr}, {value!r}, {where + ': ' + expr!r})"
         checks += 1
+    for i, line in enumerate(lines):
+        found = SHAPE.match(line)
+        if found:
+            where = f"{block.path.relative_to(ROOT)}:{block.line + 1 + i}: {found['target']}"
+            lines[i] = (f"{found['indent']}{found['target']} = __shaped__({found['expr']}, {found['dims']!r}, "
+                        f"{where!r}, globals())")
+            checks += 1
     tree = ast.parse("\n".join(lines))
     claims = [node for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Compare)]
     for node in sorted(claims, key=lambda n: (n.lineno, n.col_offset), reverse=True):
@@ -148,6 +161,23 @@ def promised(got, value: str, where: str) -> None:
     value = eval(value, {"torch": torch})
     if not _same(got, value):
         raise AssertionError(f"{where}: the doc promises {value!r}, the code gives {got!r}")
+
+
+def shaped(value, dims: str, where: str, namespace: dict):
+    """The check behind ``name = expr  # [dims]`` (see the module docstring); gives ``value``."""
+    shape, names = list(value.shape), [d.strip() for d in dims.split(",")]
+    said = f"{where}: the doc says [{dims}], the code gives {shape}"
+    if len(shape) != len(names):
+        raise AssertionError(said)
+    bound = namespace.setdefault("__shape_symbols__", {})
+    model = namespace.get("model")
+    for name, size in zip(names, shape):
+        sizes = [getattr(owner, name, None) for owner in (model, getattr(model, "info", None))]
+        known = next((v for v in sizes if isinstance(v, int) and not isinstance(v, bool)), None)
+        want = int(name) if name.isdigit() else known if known is not None else bound.setdefault(name, size)
+        if size != want:
+            raise AssertionError(f"{said} ({name} = {want})")
+    return value
 
 
 def _same(got, value) -> bool:

@@ -21,7 +21,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     **{m: ("ray",) for m in (
         "test_cluster", "test_cluster_configs", "test_features_cluster", "test_dataset_ray", "test_edits_cluster", "test_positions_cluster",
         "test_security", "test_jobs", "test_docs", "test_family_cluster", "test_service", "test_service_features",
-        "test_service_scaling", "test_tl_cluster", "test_service_lifecycle")},
+        "test_service_scaling", "test_tl_cluster", "test_service_lifecycle", "test_service_body_limits")},
     "test_cluster_vllm": ("ray", "vllm"),
     "test_service_vllm": ("ray", "vllm"),
     "test_cancel": ("ray", "vllm"),
@@ -35,6 +35,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_seed": ("slow",),
     "test_tutorial": ("slow",),
     "test_gpu_check": ("slow",),
+    "test_bench_smoke": ("slow",),
 }
 
 #: a parameter value that marks the one test case it selects

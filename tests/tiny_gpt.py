@@ -34,6 +34,14 @@ def configs() -> dict:
                                      tie_word_embeddings=False),
         "phi": t.PhiConfig(**_BASE, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                            num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=False),
+        # more of README's generic-path families: sequential blocks with GELU MLPs (StarCoder2,
+        # GPT-BigCode with multi-query attention and learned positions) and OLMo's weightless norms
+        "starcoder2": t.Starcoder2Config(**_BASE, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         tie_word_embeddings=False),
+        "gpt_bigcode": t.GPTBigCodeConfig(**_BASE, n_embd=256, n_layer=3, n_head=4, n_positions=256),
+        "olmo": t.OlmoConfig(**_BASE, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                             num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=False),
     }
 
 

@@ -7,6 +7,7 @@
 #   bash bench/gpu/check.sh                          # on a GPU machine: --device cuda, every stage
 #   bash bench/gpu/check.sh --device cpu --tiny      # the CPU smoke run (tests/test_gpu_check.py)
 #   bash bench/gpu/check.sh --stages parity,speed    # some stages only (tests, parity, speed)
+#   bash bench/gpu/check.sh --stages tests --collect # collect the device test modules, run none
 #
 # It installs nothing over the machine's torch: the project goes in with `pip install --no-deps`
 # (or onto PYTHONPATH where pip cannot build it offline); wheels in ./.whl (gguf, for the
@@ -15,13 +16,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
-device=cuda tiny="" stages=tests,parity,speed python=${PYTHON:-python3}
+device=cuda tiny="" collect="" stages=tests,parity,speed python=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
     --tiny) tiny=--tiny; shift ;;
+    --collect) collect=--collect-only; shift ;;
     --stages) stages=$2; shift 2 ;;
-    *) echo "error: unknown argument $1 (--device cuda|cpu, --tiny, --stages tests,parity,speed)" >&2; exit 2 ;;
+    *) echo "error: unknown argument $1 (--device cuda|cpu, --tiny, --collect, --stages tests,parity,speed)" >&2; exit 2 ;;
   esac
 done
 out=${OUT:-gpu-results}
@@ -61,10 +63,13 @@ run_stage() {  # name, seconds, command...
   [ "$rc" -eq 0 ] || status=1
 }
 
-modules=$("$python" -c "import sys; sys.path.insert(0, '.'); from tests.devices import MODULES; print(' '.join(f'tests/{m}.py' for m in MODULES))")
 case ",$stages," in *,tests,*)
-  run_stage tests 240 "$python" -m pytest -q -p no:cacheprovider --device "$device" -o addopts="" -rfE \
-    --junitxml "$out/tests.xml" $modules ;;
+  if modules=$("$python" -c "import sys; sys.path.insert(0, '.'); from tests.devices import paths; print(' '.join(paths()))"); then
+    run_stage tests 240 "$python" -m pytest -q -p no:cacheprovider --device "$device" -o addopts="" -rfE $collect \
+      --junitxml "$out/tests.xml" $modules
+  else
+    echo "== tests: the device test modules could not be found (tests/devices.py)"; status=1
+  fi ;;
 esac
 case ",$stages," in *,parity,*) run_stage parity 150 "$python" bench/gpu/parity.py --device "$device" $tiny --out "$out" ;; esac
 case ",$stages," in *,speed,*) run_stage speed 240 "$python" bench/gpu/speed.py --device "$device" $tiny --out "$out" ;; esac

@@ -18,6 +18,7 @@ import torch
 
 from interp_engine import head_contributions, run_with_cache
 
+from ..devices import on
 from ..oracles import REL_SAME, assert_near
 
 
@@ -41,7 +42,7 @@ def norm(block, name, x):
 
 def _rotary(hf, x, layer: int):
     rotary = hf.model.rotary_emb
-    position_ids = torch.arange(x.shape[1])[None]
+    position_ids = torch.arange(x.shape[1], device=x.device)[None]
     if "layer_type" in inspect.signature(rotary.forward).parameters:
         return rotary(x, position_ids, hf.config.layer_types[layer])
     return rotary(x, position_ids)
@@ -64,7 +65,7 @@ def manual_attention(hf, layer: int, resid_pre: torch.Tensor, layout: Layout) ->
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     groups = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(groups, 1).transpose(2, 3) * attn.scaling
-    i, j = torch.arange(p)[:, None], torch.arange(p)[None]
+    i, j = torch.arange(p, device=x.device)[:, None], torch.arange(p, device=x.device)[None]
     allowed = j <= i
     window = getattr(attn, "sliding_window", None)
     if window:
@@ -95,7 +96,7 @@ def check_residuals_against_hf(model, tokens) -> None:
     n = model.info.n_layers
     cache = run_with_cache(model, tokens, ["resid_pre.0", "resid_post", "logits"])
     with torch.no_grad():
-        ref = model.hf(input_ids=tokens, output_hidden_states=True)
+        ref = model.hf(input_ids=on(model, tokens), output_hidden_states=True)
     assert_near(cache.get("resid_pre", 0), ref.hidden_states[0], "resid_pre.0", REL_SAME)
     for layer in range(n - 1):
         assert_near(cache.get("resid_post", layer), ref.hidden_states[layer + 1], f"resid_post.{layer}", REL_SAME)
@@ -139,9 +140,9 @@ def check_pattern_against_hf(model, tiny_dir, tokens) -> None:
     """``pattern`` equals HF's ``output_attentions`` from the same weights loaded with eager attention."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager").to(model.device)
     with torch.no_grad():
-        ref = hf(input_ids=tokens, output_attentions=True).attentions
+        ref = hf(input_ids=on(model, tokens), output_attentions=True).attentions
     cache = run_with_cache(model, tokens, "pattern")
     for layer in range(model.info.n_layers):
         assert_near(cache.get("pattern", layer), ref[layer], f"pattern.{layer}", REL_SAME)
@@ -170,6 +171,7 @@ def check_edits_by_hand(model, tokens, attn_out_module: str) -> None:
 
     d_head = model.info.d_head
     vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(0))
+    on_device = vector.to(model.device)
     block = model.hf.model.layers[1]
 
     def zero_head(module, args):
@@ -179,8 +181,8 @@ def check_edits_by_hand(model, tokens, attn_out_module: str) -> None:
 
     def add(module, args, output):
         if isinstance(output, tuple):
-            return (output[0] + vector, *output[1:])
-        return output + vector
+            return (output[0] + on_device, *output[1:])
+        return output + on_device
 
     clean = run_with_cache(model, tokens, ["logits"])["logits"]
     for edits, module, kind, hook in (
@@ -192,7 +194,7 @@ def check_edits_by_hand(model, tokens, attn_out_module: str) -> None:
         handle = (module.register_forward_pre_hook(hook) if kind == "pre" else module.register_forward_hook(hook))
         try:
             with torch.no_grad():
-                want = model.hf(input_ids=tokens).logits
+                want = model.hf(input_ids=on(model, tokens)).logits
         finally:
             handle.remove()
         assert_near(got, want, f"logits under {edits}", REL_SAME)
@@ -205,5 +207,5 @@ def check_positions(model, tokens, points) -> None:
     some = run_with_cache(model, tokens, points, positions=[0, -1])
     for address, tensor in full.items():
         axis = address.query_axis
-        want = tensor.index_select(axis, torch.tensor([0, tensor.shape[axis] - 1]))
+        want = tensor.index_select(axis, torch.tensor([0, tensor.shape[axis] - 1], device=tensor.device))
         assert torch.equal(some[address], want), address

@@ -1,5 +1,6 @@
 """The generic path (interp_engine/archs/generic.py) on families no record names: StableLM (a
-sequential block, grouped-query attention) and Phi (a parallel block), built from their configs.
+sequential block, grouped-query attention), Phi (a parallel block), StarCoder2, GPT-BigCode
+(multi-query attention, learned positions) and OLMo (weightless norms), built from their configs.
 
 Oracles: Hugging Face's ``output_hidden_states`` and logits for the residual stream and ``logits``
 (1e-5 relative), the output and down projections' weights applied by hand for ``z`` / ``mlp_post``,
@@ -28,7 +29,9 @@ SERVED = {"resid_pre", "attn_out", "attn_out_post", "mlp_out", "mlp_out_post", "
           "embeddings", "lm_head",
           "final_norm", "logits"}
 #: name -> (module paths the generic path must find, whether the block is sequential)
-FAMILIES = {"stablelm": ("self_attn.o_proj", "mlp.down_proj", True), "phi": ("self_attn.dense", "mlp.fc2", False)}
+FAMILIES = {"stablelm": ("self_attn.o_proj", "mlp.down_proj", True), "phi": ("self_attn.dense", "mlp.fc2", False),
+            "starcoder2": ("self_attn.o_proj", "mlp.c_proj", True), "gpt_bigcode": ("attn.c_proj", "mlp.c_proj", True),
+            "olmo": ("self_attn.o_proj", "mlp.down_proj", True)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

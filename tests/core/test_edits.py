@@ -4,9 +4,10 @@ resid_mid, a registered attention function for q / k / v / pattern)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -136,8 +137,9 @@ def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT, mid=_llama_mid):
             layer.forward = mid(layer, fn)
         else:  # q / k / v / pattern: an attention function of our own, on this layer only
             def attend(module, query, key, value, mask, **kwargs):
-                if module is not layer.self_attn:
-                    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+                if module is not layer.self_attn:  # the family's own (softcapping where it has one)
+                    return sys.modules[type(module).__module__].eager_attention_forward(
+                        module, query, key, value, mask, **kwargs)
                 edit = lambda t: fn(t.transpose(1, 2)).transpose(1, 2)  # noqa: E731
                 if site == "q":
                     query = edit(query)
@@ -147,7 +149,10 @@ def _oracle(model, tokens, site, fn, outputs=LLAMA_OUT, mid=_llama_mid):
                     value = edit(value)
                 groups = query.shape[1] // key.shape[1]
                 k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-                scores = query @ k.transpose(2, 3) * module.scaling + mask
+                scores = query @ k.transpose(2, 3) * module.scaling
+                if kwargs.get("softcap"):  # Gemma 2's attention softcapping
+                    scores = torch.tanh(scores / kwargs["softcap"]) * kwargs["softcap"]
+                scores = scores + mask
                 probs = torch.softmax(scores, dim=-1)
                 if site == "pattern":
                     probs = edit(probs)

@@ -137,7 +137,8 @@ def test_a_build_whose_lease_was_broken_stops(tmp_path, monkeypatch):
     lease = Lease.acquire(store)
     lease.check()
     store.delete(lease.name)  # another build judged it stale
-    time.sleep(0.3)
+    lease._thread.join(timeout=30)  # the renewer ends once it finds its file gone
+    assert not lease._thread.is_alive()
     with pytest.raises(DatasetBusyError, match="lost its lease.*rerun the same call"):
         lease.check()
     lease.release()

@@ -4,6 +4,7 @@ pandas and DuckDB; a rerun resumes and gives the same files; one feature renders
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,35 @@ def test_samples_are_firing_contexts_and_quantiles_lie_within_them(built):
     row = features[features["n_fired"] >= 4].iloc[0]
     acts = samples[(samples["sae"] == row["sae"]) & (samples["feature"] == row["feature"])]["activation"]
     assert acts.min() <= min(row["quantiles"]) <= max(row["quantiles"]) <= acts.max()
+
+
+def test_samples_are_the_least_hash_of_every_firing_token(model, built):
+    """A feature's samples are the 4 tokens of least hash among all the tokens it fires on, over
+    every shard (a bottom-k sample: merging shards keeps it)."""
+    from interp_engine.features.tally import mix
+
+    saes, _, dash = built
+    contexts = dash.contexts().to_pandas()
+    for d, (sae, name) in enumerate(zip(saes, ["sae0", "sae2"])):
+        for j, hits in brute_force(model, sae).items():
+            keys = np.array([[d, j, h[1], h[2]] for h in hits])
+            least = np.argsort(mix(*keys.T), kind="stable")[:4]
+            got = contexts[(contexts["sae"] == name) & (contexts["feature"] == j) & (contexts["kind"] == "sample")]
+            assert sorted(zip(got["prompt_index"], got["position"])) == sorted((hits[i][1], hits[i][2]) for i in least)
+
+
+def test_the_least_hash_sample_is_uniform():
+    """Bottom-k by the dashboard's hash is a uniform sample: over 400 features firing on the same
+    1,000 tokens, each token is picked about equally often and the picks' mean position is central."""
+    from interp_engine.features.tally import mix
+
+    features, positions = np.repeat(np.arange(400), 1000), np.tile(np.arange(1000), 400)
+    hashed = mix(np.zeros_like(features), features, np.zeros_like(features), positions)
+    order = np.lexsort((hashed, features)).reshape(400, 1000)[:, :25]  # 25 samples of each feature
+    picked = positions[order].ravel()
+    counts = np.bincount(picked // 100, minlength=10)  # 10,000 picks in 10 bins of 100 positions
+    assert counts.min() > 850 and counts.max() < 1150, counts
+    assert abs(picked.mean() - 499.5) < 10
 
 
 def test_duckdb_reads_the_dashboard(built):

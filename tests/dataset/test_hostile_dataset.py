@@ -229,11 +229,15 @@ def test_a_hand_edited_manifest_names_the_field(llama, pristine, tmp_path, edit,
         (out / name).write_bytes(data)
     edited = edit(json.loads(pristine[MANIFEST]))
     (out / MANIFEST).write_text(edited if isinstance(edited, str) else json.dumps(edited))
-    started = time.perf_counter()
-    for call in (lambda: ActivationDataset.open(out, verify=True), lambda: small_build(llama, out)):
-        with pytest.raises(DatasetCorruptError, match=f"{MANIFEST} (field )?{field}.*overwrite=True"):
-            call()
-    assert time.perf_counter() - started < 5
+    forwards = []
+    handle = llama.hf.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        for call in (lambda: ActivationDataset.open(out, verify=True), lambda: small_build(llama, out)):
+            with pytest.raises(DatasetCorruptError, match=f"{MANIFEST} (field )?{field}.*overwrite=True"):
+                call()
+    finally:
+        handle.remove()
+    assert not forwards, "the build ran the model before refusing the manifest"
     _user(out)
     with pytest.warns(DatasetForeignFilesWarning):
         rebuilt = small_build(llama, out, overwrite=True)

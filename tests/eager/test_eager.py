@@ -7,9 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from interp_engine import Address, head_contributions, run_with_cache
+from interp_engine.compare import relative_error
 
 from ..tiny import DENSE_FAMILIES
 from ..devices import load_kwargs, on
+from ..oracles import REL_SAME, assert_near
 
 PROMPT = "The quick brown fox jumps"
 LAYERS = range(3)
@@ -131,17 +133,58 @@ def test_z_is_pattern_times_v(model, tokens):
         torch.testing.assert_close(z, cache.get("z", l), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fam", ["llama", "qwen3"])
-def test_q_k_are_post_rotary_and_form_the_scores(eager_models, fam):
-    model = eager_models(fam)
-    tokens = model.to_tokens(PROMPT)
+def _rotate(x, cos, sin):
+    """Rotary embedding written out (``[b, h, p, d]``; the first ``cos.shape[-1]`` dims rotate)."""
+    rot = cos.shape[-1]
+    x, rest = x[..., :rot], x[..., rot:]
+    half = torch.cat([-x[..., rot // 2:], x[..., : rot // 2]], -1)
+    return torch.cat([x * cos[:, None] + half * sin[:, None], rest], -1)
+
+
+def test_q_k_are_the_projections_after_rotary_by_hand(model, cache):
+    """``q`` / ``k`` of every family from the layer's weights: the input norm, the projections (Phi-3's
+    fused ``qkv_proj`` split by hand, Qwen2's biases included), Qwen3's per-head norms, and the
+    rotation written out with the model's own cos / sin tables."""
+    n = cache.tokens.shape[1]
+    cos, sin = model.hf.model.rotary_emb(cache.get("resid_pre", 0), torch.arange(n, device=model.device)[None])
+    for l in LAYERS:
+        attn = layer(model, l).self_attn
+        x = layer(model, l).input_layernorm(cache.get("resid_pre", l))
+        if hasattr(attn, "qkv_proj"):
+            q, k, _ = attn.qkv_proj(x).split([model.n_heads * model.d_head, model.info.n_kv_heads * model.d_head,
+                                              model.info.n_kv_heads * model.d_head], -1)
+        else:
+            q, k = attn.q_proj(x), attn.k_proj(x)
+        q, k = q.unflatten(-1, (-1, model.d_head)), k.unflatten(-1, (-1, model.d_head))
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        for site, want in (("q", q), ("k", k)):
+            rotated = _rotate(want.transpose(1, 2), cos, sin).transpose(1, 2)
+            assert relative_error(rotated, want) > 1e-2, "the rotation must show"
+            assert_near(cache.get(site, l), rotated, f"{site}.{l}", REL_SAME)
+
+
+def test_q_k_form_the_scores(model, tokens):
+    """The pattern from ``q`` / ``k`` with each family's scores written out from its config: the
+    scale (Gemma 2: ``query_pre_attn_scalar``), the attention softcapping (Gemma 2) and the sliding
+    window (Mistral; Gemma 2's sliding layers) — each shown to matter in test_must_change.py."""
+    config = model.hf.config
     cache = run_with_cache(model, tokens, [f"{n}.{l}" for n in ("pattern", "q", "k") for l in LAYERS])
     groups = model.n_heads // model.info.n_kv_heads
     n = tokens.shape[1]
-    causal = torch.full((n, n), float("-inf"), device=model.device).triu(1)
+    i, j = torch.arange(n, device=model.device)[:, None], torch.arange(n, device=model.device)[None]
+    scale = getattr(config, "query_pre_attn_scalar", None) or model.d_head
+    cap = getattr(config, "attn_logit_softcapping", None)
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
     for l in LAYERS:
         q, k = cache.get("q", l), cache.get("k", l).repeat_interleave(groups, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * model.d_head**-0.5 + causal
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale**-0.5
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        allowed = j <= i
+        if window and (kinds is None or kinds[l] == "sliding_attention"):
+            allowed = allowed & (j > i - window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
         torch.testing.assert_close(scores.softmax(-1), cache.get("pattern", l), atol=1e-5, rtol=1e-5)
 
 

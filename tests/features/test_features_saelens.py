@@ -3,8 +3,9 @@
 ``decode`` and forward), within the same-backend tolerance, with the same active features.
 
 Needs ``sae-lens`` (the ``test`` extra). SAELens 6 requires TransformerLens 3; where TransformerLens
-4 replaced it (``make bench`` installs 4.3 for bench/peers.py), SAELens does not import and this
-module skips, saying so; test_features_load.py checks the same maths written out by hand.
+4 replaced it (``make bench`` keeps its 4.3 in .venv-bench for that reason), SAELens does not import
+and this module skips, saying so, and on CI the run fails (tests/conftest.py, ORACLES);
+test_features_load.py checks the same maths written out by hand.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_several_points(model, eager):
         assert float((cache[point] - want[point]).abs().max()) <= 1e-4 * float(want[point].abs().max())
 
 
-def test_every_layer(model):
+def test_every_layer(model, eager):
     from interp_engine import Address, run_with_cache
 
     points = [Address("resid_post", layer) for layer in range(model.n_layers)]
@@ -67,6 +67,9 @@ def test_every_layer(model):
 
     assert len(cache) == model.n_layers == 30
     assert all(cache[p].shape == (1, model.to_tokens("Hello").shape[1], model.d_model) for p in points)
+    want = run_with_cache(eager, eager.to_tokens("Hello"), points)
+    for p in points:  # the values too, every layer, against the eager backend
+        assert float((cache[p] - want[p]).abs().max()) <= 1e-4 * float(want[p].abs().max()), p
 
 
 def test_while_generating(model, eager):

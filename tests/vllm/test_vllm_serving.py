@@ -6,6 +6,7 @@ same prompt alone on the same engine, and the eager backend on the same weights.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -209,7 +210,10 @@ def test_an_abandoned_capture_is_aborted_and_forgotten(model, reference):
     async def start_then_abandon():
         task = asyncio.ensure_future(model.capture(model.to_tokens("long one"), ["resid_post.0"], max_tokens=100,
                                                    stop_at_eos=False))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while not any(rank["pending"] for rank in engine_state(model)):  # in flight: the worker holds it
+            assert not task.done() and time.monotonic() < deadline, "the capture never reached the engine"
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -82,7 +82,10 @@ class EagerModel(CaptureModel):
         self.hf.requires_grad_(requires_grad)
         self._lock = threading.Lock()
         self._dictionaries = Placed()
-        wrapped = attention.EAGER if attention.implementation(self.hf) == "eager" else attention.SDPA
+        # SDPA drops attention softcapping (Gemma 2's attn_logit_softcapping): such a model always
+        # runs its family's eager attention, which applies it
+        softcapped = getattr(hf_model.config, "attn_logit_softcapping", None) is not None
+        wrapped = attention.EAGER if softcapped or attention.implementation(self.hf) == "eager" else attention.SDPA
         attention.set_implementation(self.hf, wrapped)
 
     def _repr_extras(self) -> list[str]:

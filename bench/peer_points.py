@@ -10,15 +10,17 @@ per family and point name over every layer both serve, with :func:`interp_engine
 
 Each peer point ends as one of:
 
-- ``agrees``: the same tensor within ``--tolerance`` (1e-5 relative) at every layer;
-- ``deliberate``: the two engines define the name differently on purpose, as :data:`DELIBERATE`
-  says and why (where a peer tensor is ours under another name, that is checked too);
-- ``DIFFERS`` / ``STALE``: a shared name that differs without a reason in the table, or a listed
-  difference that no longer differs (the table must be mended): the run exits 1;
+- ``agrees``: the same tensor within 1e-5 relative at every layer;
+- ``deliberate``: the two engines define the name differently on purpose, as the DELIBERATE table
+  of bench/peer_names.py says and why (where the peer serves our tensor under another name,
+  ours must equal that one);
+- failing, and the run exits 1: ``DIFFERS`` (a shared name that differs without a reason in the
+  table), ``STALE`` (a listed difference that no longer differs: mend the table), ``SHAPE``, or
+  ``RAISES`` (our capture raised where our model says it serves the point);
 - ``not served by us`` (the peer serves it, this model here does not) and, listed per family,
   the names we serve and the peer does not.
 
-Names that differ only in spelling are mapped (:data:`ALIASES`); layouts that differ only in
+Names that differ only in spelling are mapped (peer_names.ALIASES); layouts that differ only in
 shape (``z``, ``value``: the peer's heads flat) are compared reshaped. Not part of ``make test``:
 
     .venv/bin/python bench/peer_points.py [--peer-venv DIR] [--families llama gpt2 ...]
@@ -39,98 +41,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from peer_names import DELIBERATE, SITES_ALIASED_FROM, Context, judge, our_address  # bench/peer_names.py
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SIDE = Path(__file__).resolve().with_name("peer_side.py")
 PEER_PACKAGES = ("torch==2.13.0", "transformers==5.19.0", "interp-engine==1.14.2")
 DEFAULT_VENV = Path.home() / ".cache" / "interp_engine" / "peer-venv-1.14.2"
-TOLERANCE = 1e-5
-
-#: the peer's name -> ours, where only the spelling differs (the same tensor)
-ALIASES = {
-    "attn_probs": "pattern",
-    "mlp_act": "mlp_post",
-    "value": "v",
-    "lm_head": "logits",
-    "embeddings": "resid_pre",  # at layer 0 (the peer's is model-level)
-    "q_norm_out": "q",  # the closest we serve: a deliberate difference (rotary)
-    "k_norm_out": "k",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What a deliberate difference's predicates read: the family's config, the peer's tensors
-    (address string -> tensor) and the peer address being compared."""
-
-    config: dict
-    peer: dict
-    address: str
-
-
-def _layer_twin(name: str) -> Callable[[Context], object]:
-    """The peer tensor at the same layer under ``name``."""
-    return lambda ctx: ctx.peer.get(name + ctx.address[ctx.address.index("."):])
-
-
-def _differs(a, b) -> bool:
-    from interp_engine import relative_error
-
-    return a is not None and b is not None and relative_error(a, b) > TOLERANCE
-
-
-def _softcapped(ctx: Context):
-    cap = ctx.config["final_logit_softcapping"]
-    return cap * (ctx.peer[ctx.address] / cap).tanh()
-
-
-@dataclasses.dataclass(frozen=True)
-class Deliberate:
-    """One name both engines use for different tensors, on purpose: where ``applies``, ours may
-    differ from the peer's; ``ours_is`` (optional) is the peer-side tensor ours must equal there."""
-
-    name: str
-    why: str
-    applies: Callable[[Context], bool]
-    ours_is: Callable[[Context], object] | None = None
-    ours_is_called: str = ""
-
-
-#: The known definitional differences (DESIGN.md §9, issue 37). A listed difference that stops
-#: differing fails the run as STALE, so this table cannot outlive the code it describes.
-DELIBERATE = (
-    Deliberate("attn_out", "the peer's attn_out is the attention block's raw output; ours is what the block adds "
-               "to the residual, after the post-attention norm (sandwich-norm families)",
-               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("attn_out_post")(ctx)),
-               ours_is=_layer_twin("attn_out_post"), ours_is_called="the peer's attn_out_post"),
-    Deliberate("mlp_out", "the peer's mlp_out is the MLP block's raw output; ours is what the block adds to the "
-               "residual, after the post-feedforward norm (sandwich-norm families)",
-               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("mlp_out_post")(ctx)),
-               ours_is=_layer_twin("mlp_out_post"), ours_is_called="the peer's mlp_out_post"),
-    Deliberate("lm_head", "the peer's lm_head is the unembedding's output before the final logit softcap; our "
-               "logits are the model's output, after it",
-               applies=lambda ctx: bool(ctx.config.get("final_logit_softcapping")),
-               ours_is=_softcapped, ours_is_called="cap·tanh(the peer's lm_head / cap)"),
-    Deliberate("embeddings", "the peer's embeddings is the token embedding alone; our resid_pre.0 is the residual "
-               "entering layer 0, with the learned position embeddings added",
-               applies=lambda ctx: ctx.config.get("model_type") == "gpt2"),
-    Deliberate("q_norm_out", "the peer's q_norm_out is the query after its qk-norm and before rotary; our q is "
-               "after rotary (the query the scores are taken from)", applies=lambda ctx: True),
-    Deliberate("k_norm_out", "the peer's k_norm_out is the key after its qk-norm and before rotary; our k is after "
-               "rotary (the key the scores are taken from)", applies=lambda ctx: True),
-)
-DELIBERATE_BY_NAME = {d.name: d for d in DELIBERATE}
-
-
-def our_address(peer_address: str, our_sites) -> tuple[str, int | None] | None:
-    """Our (site, layer) for a peer address string, or None when we have no such name."""
-    name, _, layer = peer_address.partition(".")
-    ours = name if name in our_sites else ALIASES.get(name)
-    if ours is None or ours not in our_sites:
-        return None
-    if name == "embeddings":
-        return ours, 0
-    return ours, int(layer) if layer else None
-
 
 # --- the families, the tokens and the exchange files ----------------------------------------------
 
@@ -215,7 +131,7 @@ def run_peer(python: Path, folders: dict[str, Path], tokens, work: Path) -> dict
 # --- the comparison --------------------------------------------------------------------------------
 
 #: outcomes that fail the run
-FAILING = ("DIFFERS", "STALE", "SHAPE")
+FAILING = ("DIFFERS", "STALE", "SHAPE", "RAISES")
 
 
 @dataclasses.dataclass
@@ -237,39 +153,6 @@ class Row:
         self.error = max(self.error, error)
         self.layers.append(layer)
         self.note = note or self.note
-
-
-def fit(ours, shape):
-    """``ours`` in the peer's layout: the same tensor, or reshaped where only the trailing axes'
-    split differs (our heads ``[b, p, h, d]``, the peer's flat ``[b, p, h·d]``); None otherwise."""
-    if tuple(ours.shape) == tuple(shape):
-        return ours
-    if ours.numel() == shape.numel() and tuple(ours.shape[:2]) == tuple(shape[:2]):
-        return ours.reshape(shape)
-    return None
-
-
-def judge(peer_address: str, ours, want, ctx: Context) -> tuple[str, float, str]:
-    """(outcome, relative error, note) for one address."""
-    from interp_engine import relative_error
-
-    got = fit(ours, want.shape)
-    if got is None:
-        return "SHAPE", float("inf"), f"ours {tuple(ours.shape)}, the peer's {tuple(want.shape)}"
-    error = relative_error(got, want)
-    rule = DELIBERATE_BY_NAME.get(peer_address.partition(".")[0])
-    if rule is None or not rule.applies(ctx):
-        return ("agrees" if error <= TOLERANCE else "DIFFERS"), error, ""
-    if error <= TOLERANCE:
-        return "STALE", error, f"listed as a deliberate difference but agrees: mend DELIBERATE ({rule.why})"
-    note = rule.why
-    if rule.ours_is is not None:
-        twin = rule.ours_is(ctx)
-        twin_error = relative_error(got, twin)
-        if twin_error > TOLERANCE:
-            return "DIFFERS", error, f"{note}; yet ours differs from {rule.ours_is_called} too ({twin_error:.1e})"
-        note += f"; ours equals {rule.ours_is_called} ({twin_error:.1e})"
-    return "deliberate", error, note
 
 
 def compare_family(family: str, folder: Path, tokens, peer: dict, peer_refused: dict) -> tuple[list[Row], dict]:
@@ -298,8 +181,12 @@ def compare_family(family: str, folder: Path, tokens, peer: dict, peer_refused: 
             wanted[address] = ours
         elif not row.layers:
             row.outcome, row.note = "not served by us", f"{site} is not served on {family}"
-    cache = run_with_cache(model, torch.tensor(tokens), list(dict.fromkeys(a for v in wanted.values() for a in v)))
+    cache, raised = capture(model, torch.tensor(tokens), list(dict.fromkeys(a for v in wanted.values() for a in v)))
     for address, ours in wanted.items():
+        if ours[0].name in raised:
+            row = rows[address.partition(".")[0]]
+            row.outcome, row.note = "RAISES", f"our capture of {ours[0].name} raised {raised[ours[0].name]}"
+            continue
         got = cache[ours[0]] if len(ours) == 1 else torch.stack([cache[a] for a in ours], dim=2)
         row = rows[address.partition(".")[0]]
         if row.outcome == "not served by us":
@@ -307,14 +194,34 @@ def compare_family(family: str, folder: Path, tokens, peer: dict, peer_refused: 
         outcome, error, note = judge(address, got, peer[address], Context(config, peer, address))
         row.merge(outcome, error, ours[0].layer, note)
     mapped_to = {r.ours for r in rows.values() if r.outcome != "not served by us"}
-    ours_only = {a.name: peer_refused.get(_peer_name(a.name), "the peer has no such point")
+    ours_only = {a.name: peer_refused.get(SITES_ALIASED_FROM.get(a.name, a.name), "the peer has no such point")
                  for a in served if a.name not in mapped_to}
     del model
     return list(rows.values()), ours_only
 
 
-def _peer_name(ours: str) -> str:
-    return next((p for p, o in ALIASES.items() if o == ours), ours)
+def capture(model, tokens, addresses: list) -> tuple[dict, dict[str, str]]:
+    """Our tensors for ``addresses`` in one call; where that raises, each site's addresses alone,
+    so one site that fails is reported (site -> the error) and the others are still compared."""
+    from interp_engine import run_with_cache
+
+    def run(some):
+        cache = run_with_cache(model, tokens, some)
+        return {a: cache[a] for a in some}
+
+    try:
+        return run(addresses), {}
+    except Exception:
+        pass
+    tensors, raised = {}, {}
+    for site in dict.fromkeys(a.name for a in addresses):
+        try:
+            tensors.update(run([a for a in addresses if a.name == site]))
+        except Exception as err:
+            raised[site] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    return tensors, raised
+
+
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -328,8 +235,8 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, str], 
     """The markdown report: one line per peer point name over the families, then the deliberate
     differences, the names only we serve, and the failures with their family and layers."""
     compared = sorted({r.family for r in rows})
-    out = [header, "", "| peer point | ours | agrees ≤ 1e-5 (worst error) | deliberate difference | not served by us |",
-           "| --- | --- | --- | --- | --- |"]
+    out = [header, "", "| peer point | ours | agrees ≤ 1e-5 (worst error) | deliberate difference | fails | not served by us |",
+           "| --- | --- | --- | --- | --- | --- |"]
     names = list(dict.fromkeys(r.name for r in rows))
     for name in names:
         mine = [r for r in rows if r.name == name]
@@ -340,6 +247,7 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, str], 
         cells = [f"{len(agree)} ({max(r.error for r in agree):.1e})" if agree else "—",
                  f"{', '.join(r.family for r in deliberate)} ({max(r.error for r in deliberate):.1e})"
                  if deliberate else "—",
+                 ", ".join(f"{r.family} ({r.outcome})" for r in mine if r.outcome in FAILING) or "—",
                  _families_text(absent, len(compared)) or "—"]
         out.append(f"| `{name}` | {ours} | " + " | ".join(cells) + " |")
     out += ["", "Deliberate differences (where they apply, with the largest relative difference):", ""]
@@ -359,9 +267,10 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, str], 
         out += ["", "Families not compared:", ""] + [f"- {f}: {e}" for f, e in sorted(errors.items())]
     failing = [r for r in rows if r.outcome in FAILING]
     out += ["", f"**{len(failing)} failing** (a shared name that differs without a listed reason, or a "
-            "listed difference that no longer differs)" + (":" if failing else ".")]
-    out += [f"- {r.family} `{r.name}` ↔ `{r.ours}` {r.outcome} at layers {r.layers}: {r.error:.2g} {r.note}"
-            for r in failing]
+            "listed difference that no longer differs, or a capture of ours that raised)" + (":" if failing else ".")]
+    out += [f"- {r.family} `{r.name}` ↔ `{r.ours}` {r.outcome}"
+            + (f" at layers {r.layers}: relative difference {r.error:.2g}" if r.layers else "")
+            + (f"; {r.note}" if r.note else "") for r in failing]
     return "\n".join(out)
 
 

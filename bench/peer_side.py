@@ -40,6 +40,41 @@ def served_points(model) -> tuple[list[str], dict[str, str]]:
     return served, refused
 
 
+def capture(model, tokens, points: list[str], refused: dict) -> dict:
+    """The peer's tensors for ``points`` in one ``run_with_cache``; where that raises (its
+    ``refuses`` can pass a point its capture then refuses: ``attn_probs`` on a hybrid model's
+    linear-attention layers), each point's layers together, then each address alone, recording
+    in ``refused`` (point name, or address where only some layers fail) what the capture said."""
+    from interp_engine import run_with_cache
+
+    def run(addresses):
+        return {str(a): t for a, t in run_with_cache(model, tokens, addresses).tensors.items()}
+
+    try:
+        return run(points)
+    except Exception:
+        pass
+    tensors = {}
+    for name in dict.fromkeys(p.partition(".")[0] for p in points):
+        group = [p for p in points if p.partition(".")[0] == name]
+        try:
+            tensors.update(run(group))
+            continue
+        except Exception:
+            pass
+        failed = {}
+        for address in group:
+            try:
+                tensors.update(run([address]))
+            except Exception as err:
+                failed[address] = f"its capture raised {type(err).__name__}: {err}"
+        if len(failed) == len(group):
+            refused[name] = next(iter(failed.values()))
+        else:
+            refused.update(failed)
+    return tensors
+
+
 def write_result(out: str, tensors: dict, version: str, refused: dict, error: str = "", order=()) -> None:
     """The exchange file: ``tensors`` (address string -> tensor) and, as safetensors metadata
     (strings only), the peer's version, its refusals and its point table's order as JSON, and the
@@ -62,8 +97,7 @@ def capture_one(folder: str, tokens, out: str) -> None:
         model = interp_engine.load_model(folder, backend="eager", device="cpu", dtype="float32")
         order = [spec.name for spec in model.points()]
         points, refused = served_points(model)
-        cache = interp_engine.run_with_cache(model, torch.tensor(tokens), points)
-        tensors = {str(address): t for address, t in cache.tensors.items()}
+        tensors = capture(model, torch.tensor(tokens), points, refused)
     except Exception as err:  # one family the peer cannot run must not hide the others
         error = f"{type(err).__name__}: {err}".strip()[:2000]
         traceback.print_exc()

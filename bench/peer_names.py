@@ -1,0 +1,138 @@
+"""The two engines' vocabularies side by side, for bench/peer_points.py: which of our names each
+of the peer's point names is, and the names both engines use for different tensors on purpose.
+
+A peer point is compared with ours under the same name where we have it, else under its alias
+(:data:`ALIASES`); a layout that differs only in how the trailing axes are split (our heads
+``[b, p, h, d]``, the peer's flat ``[b, p, h·d]``) is compared reshaped (:func:`fit`). Where a
+:class:`Deliberate` rule applies, the two may differ, and where it names the tensor ours is
+instead, ours must equal that one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+TOLERANCE = 1e-5
+
+#: the peer's name -> ours, where only the spelling differs (the same tensor)
+ALIASES = {
+    "attn_probs": "pattern",
+    "mlp_act": "mlp_post",
+    "value": "v",
+    "lm_head": "logits",
+    "embeddings": "resid_pre",  # at layer 0 (the peer's is model-level)
+    "q_norm_out": "q",  # the closest we serve: a deliberate difference (rotary)
+    "k_norm_out": "k",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a deliberate difference's predicates read: the family's config, the peer's tensors
+    (address string -> tensor) and the peer address being compared."""
+
+    config: dict
+    peer: dict
+    address: str
+
+
+def _layer_twin(name: str) -> Callable[[Context], object]:
+    """The peer tensor at the same layer under ``name``."""
+    return lambda ctx: ctx.peer.get(name + ctx.address[ctx.address.index("."):])
+
+
+def _differs(a, b) -> bool:
+    from interp_engine import relative_error
+
+    return a is not None and b is not None and relative_error(a, b) > TOLERANCE
+
+
+def _softcapped(ctx: Context):
+    cap = ctx.config["final_logit_softcapping"]
+    return cap * (ctx.peer[ctx.address] / cap).tanh()
+
+
+@dataclasses.dataclass(frozen=True)
+class Deliberate:
+    """One name both engines use for different tensors, on purpose: where ``applies``, ours may
+    differ from the peer's; ``ours_is`` (optional) is the peer-side tensor ours must equal there."""
+
+    name: str
+    why: str
+    applies: Callable[[Context], bool]
+    ours_is: Callable[[Context], object] | None = None
+    ours_is_called: str = ""
+
+
+#: The known definitional differences (DESIGN.md §9, issue 37). A listed difference that stops
+#: differing fails the run as STALE, so this table cannot outlive the code it describes.
+DELIBERATE = (
+    Deliberate("attn_out", "the peer's attn_out is the attention block's raw output; ours is what the block adds "
+               "to the residual, after the post-attention norm (sandwich-norm families)",
+               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("attn_out_post")(ctx)),
+               ours_is=_layer_twin("attn_out_post"), ours_is_called="the peer's attn_out_post"),
+    Deliberate("mlp_out", "the peer's mlp_out is the MLP block's raw output; ours is what the block adds to the "
+               "residual, after the post-feedforward norm (sandwich-norm families)",
+               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("mlp_out_post")(ctx)),
+               ours_is=_layer_twin("mlp_out_post"), ours_is_called="the peer's mlp_out_post"),
+    Deliberate("lm_head", "the peer's lm_head is the unembedding's output before the final logit softcap; our "
+               "logits are the model's output, after it",
+               applies=lambda ctx: bool(ctx.config.get("final_logit_softcapping")),
+               ours_is=_softcapped, ours_is_called="cap·tanh(the peer's lm_head / cap)"),
+    Deliberate("embeddings", "the peer's embeddings is the token embedding alone; our resid_pre.0 is the residual "
+               "entering layer 0, with the learned position embeddings added",
+               applies=lambda ctx: ctx.config.get("model_type") == "gpt2"),
+    Deliberate("q_norm_out", "the peer's q_norm_out is the query after its qk-norm and before rotary; our q is "
+               "after rotary (the query the scores are taken from)", applies=lambda ctx: True),
+    Deliberate("k_norm_out", "the peer's k_norm_out is the key after its qk-norm and before rotary; our k is after "
+               "rotary (the key the scores are taken from)", applies=lambda ctx: True),
+)
+DELIBERATE_BY_NAME = {d.name: d for d in DELIBERATE}
+
+
+def our_address(peer_address: str, our_sites) -> tuple[str, int | None] | None:
+    """Our (site, layer) for a peer address string, or None when we have no such name."""
+    name, _, layer = peer_address.partition(".")
+    ours = name if name in our_sites else ALIASES.get(name)
+    if ours is None or ours not in our_sites:
+        return None
+    if name == "embeddings":
+        return ours, 0
+    return ours, int(layer) if layer else None
+
+#: our names that some peer name is an alias of
+SITES_ALIASED_FROM = {ours: peer for peer, ours in ALIASES.items()}
+
+
+def fit(ours, shape):
+    """``ours`` in the peer's layout: the same tensor, or reshaped where only the trailing axes'
+    split differs (our heads ``[b, p, h, d]``, the peer's flat ``[b, p, h·d]``); None otherwise."""
+    if tuple(ours.shape) == tuple(shape):
+        return ours
+    if ours.numel() == shape.numel() and tuple(ours.shape[:2]) == tuple(shape[:2]):
+        return ours.reshape(shape)
+    return None
+
+
+def judge(peer_address: str, ours, want, ctx: Context) -> tuple[str, float, str]:
+    """(outcome, relative error, note) for one address."""
+    from interp_engine import relative_error
+
+    got = fit(ours, want.shape)
+    if got is None:
+        return "SHAPE", float("inf"), f"ours {tuple(ours.shape)}, the peer's {tuple(want.shape)}"
+    error = relative_error(got, want)
+    rule = DELIBERATE_BY_NAME.get(peer_address.partition(".")[0])
+    if rule is None or not rule.applies(ctx):
+        return ("agrees" if error <= TOLERANCE else "DIFFERS"), error, ""
+    if error <= TOLERANCE:
+        return "STALE", error, f"listed as a deliberate difference but agrees: mend DELIBERATE ({rule.why})"
+    note = rule.why
+    if rule.ours_is is not None:
+        twin = rule.ours_is(ctx)
+        twin_error = relative_error(got, twin)
+        if twin_error > TOLERANCE:
+            return "DIFFERS", error, f"{note}; yet ours differs from {rule.ours_is_called} too ({twin_error:.1e})"
+        note += f"; ours equals {rule.ours_is_called} ({twin_error:.1e})"
+    return "deliberate", error, note

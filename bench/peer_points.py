@@ -235,7 +235,8 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, str], 
     """The markdown report: one line per peer point name over the families, then the deliberate
     differences, the names only we serve, and the failures with their family and layers."""
     compared = sorted({r.family for r in rows})
-    out = [header, "", "| peer point | ours | agrees ≤ 1e-5 (worst error) | deliberate difference | fails | not served by us |",
+    out = [header, "",
+           "| peer point | ours | agrees ≤ 1e-5 (worst error) | deliberate difference | fails | not served by us |",
            "| --- | --- | --- | --- | --- | --- |"]
     names = list(dict.fromkeys(r.name for r in rows))
     for name in names:

@@ -15,13 +15,15 @@ from collections.abc import Callable
 
 TOLERANCE = 1e-5
 
-#: the peer's name -> ours, where only the spelling differs (the same tensor)
+#: the peer's name -> ours, where only the spelling differs (the same tensor); a name of ours with a
+#: layer (``resid_pre.0``) stands for a model-level point of the peer's. A name we serve ourselves
+#: is compared under that name, never its alias
 ALIASES = {
     "attn_probs": "pattern",
     "mlp_act": "mlp_post",
     "value": "v",
     "lm_head": "logits",
-    "embeddings": "resid_pre",  # at layer 0 (the peer's is model-level)
+    "embeddings": "resid_pre.0",  # the peer's is model-level: ours at layer 0
     "q_norm_out": "q",  # the closest we serve: a deliberate difference (rotary)
     "k_norm_out": "k",
 }
@@ -94,15 +96,15 @@ DELIBERATE_BY_NAME = {d.name: d for d in DELIBERATE}
 def our_address(peer_address: str, our_sites) -> tuple[str, int | None] | None:
     """Our (site, layer) for a peer address string, or None when we have no such name."""
     name, _, layer = peer_address.partition(".")
-    ours = name if name in our_sites else ALIASES.get(name)
-    if ours is None or ours not in our_sites:
+    ours, _, fixed = (name if name in our_sites else ALIASES.get(name, "")).partition(".")
+    if ours not in our_sites:
         return None
-    if name == "embeddings":
-        return ours, 0
+    layer = fixed or layer
     return ours, int(layer) if layer else None
 
+
 #: our names that some peer name is an alias of
-SITES_ALIASED_FROM = {ours: peer for peer, ours in ALIASES.items()}
+SITES_ALIASED_FROM = {ours.partition(".")[0]: peer for peer, ours in ALIASES.items()}
 
 
 def fit(ours, shape):

@@ -231,7 +231,7 @@ def _families_text(fams: list[str], total: int) -> str:
     return f"all {total} families" if len(fams) == total and total > 1 else ", ".join(fams)
 
 
-def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, str], header: str) -> str:
+def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, tuple[str, str]], header: str) -> str:
     """The markdown report: one line per peer point name over the families, then the deliberate
     differences, the names only we serve, and the failures with their family and layers."""
     compared = sorted({r.family for r in rows})
@@ -262,16 +262,20 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, str], 
     for family, names_ in sorted(ours_only.items()):
         for name in names_:
             only.setdefault(name, []).append(family)
-    out += ["", "Served by us, not by the peer on these families: " + "; ".join(
-        f"`{n}` ({_families_text(f, len(compared))})" for n, f in sorted(only.items())) + "."]
+    out += ["", "Served by us, not by the peer on these families: " + ("; ".join(
+        f"`{n}` ({_families_text(f, len(compared))})" for n, f in sorted(only.items())) or "none") + "."]
     if errors:
-        out += ["", "Families not compared:", ""] + [f"- {f}: {e}" for f, e in sorted(errors.items())]
+        out += ["", "Families not compared (one whose load or capture of ours raised fails the run):", ""]
+        out += [f"- {family}: {side}: {error}" for family, (side, error) in sorted(errors.items())]
     failing = [r for r in rows if r.outcome in FAILING]
-    out += ["", f"**{len(failing)} failing** (a shared name that differs without a listed reason, or a "
-            "listed difference that no longer differs, or a capture of ours that raised)" + (":" if failing else ".")]
+    ours_raised = sorted(f for f, (side, _) in errors.items() if side == "ours")
+    out += ["", f"**{len(failing)} failing** (a shared name that differs without a listed reason, or a listed "
+            "difference that no longer differs, or a capture of ours that raised)" + (":" if failing else ".")]
     out += [f"- {r.family} `{r.name}` ↔ `{r.ours}` {r.outcome}"
             + (f" at layers {r.layers}: relative difference {r.error:.2g}" if r.layers else "")
             + (f"; {r.note}" if r.note else "") for r in failing]
+    if ours_raised:
+        out += ["", f"**Ours raised on {', '.join(ours_raised)}** (see above): failing."]
     return "\n".join(out)
 
 
@@ -305,12 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             version = peer.version
             order.update(dict.fromkeys(peer.order))
             if peer.error:
-                errors[family] = f"the peer: {peer.error.splitlines()[0][:300]}"
+                errors[family] = ("the peer", peer.error.splitlines()[0][:300])
                 continue
             try:
                 found, ours_only[family] = compare_family(family, folder, tokens, peer.tensors, peer.refused)
             except Exception as err:
-                errors[family] = f"ours: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                errors[family] = ("ours", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
                 continue
             rows += found
     header = (f"interp_engine {interp_engine.__version__} (ours) vs interp-engine {version} (the peer, its own "
@@ -318,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(tokens[0])} tokens, every layer; {len(ours_only)} of {len(chosen)} families compared")
     rows.sort(key=lambda r: list(order).index(r.name) if r.name in order else len(order))
     print(report(rows, ours_only, errors, header))
-    return 1 if any(r.outcome in FAILING for r in rows) else 0
+    return 1 if any(r.outcome in FAILING for r in rows) or any(side == "ours" for side, _ in errors.values()) else 0
 
 
 if __name__ == "__main__":

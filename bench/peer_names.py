@@ -15,16 +15,17 @@ from collections.abc import Callable
 
 TOLERANCE = 1e-5
 
-#: the peer's name -> ours, where only the spelling differs (the same tensor); a name of ours with a
-#: layer (``resid_pre.0``) stands for a model-level point of the peer's. A name we serve ourselves
-#: is compared under that name, never its alias
+#: the peer's name -> our other name for the same or the closest tensor (a deliberate difference
+#: says where they differ); a name of ours with a layer (``resid_pre.0``) stands for a model-level
+#: point of the peer's. A peer point is compared with ours under its own name where we serve it,
+#: and under this one too
 ALIASES = {
     "attn_probs": "pattern",
     "mlp_act": "mlp_post",
     "value": "v",
     "lm_head": "logits",
     "embeddings": "resid_pre.0",  # the peer's is model-level: ours at layer 0
-    "q_norm_out": "q",  # the closest we serve: a deliberate difference (rotary)
+    "q_norm_out": "q",
     "k_norm_out": "k",
 }
 
@@ -57,10 +58,12 @@ def _softcapped(ctx: Context):
 
 @dataclasses.dataclass(frozen=True)
 class Deliberate:
-    """One name both engines use for different tensors, on purpose: where ``applies``, ours may
-    differ from the peer's; ``ours_is`` (optional) is the peer-side tensor ours must equal there."""
+    """A peer point and a name of ours (``ours``: the same name where empty) that are different
+    tensors on purpose: where ``applies``, they may differ; ``ours_is`` (optional) is the
+    peer-side tensor ours must equal there."""
 
     name: str
+    ours: str
     why: str
     applies: Callable[[Context], bool]
     ours_is: Callable[[Context], object] | None = None
@@ -70,37 +73,46 @@ class Deliberate:
 #: The known definitional differences (DESIGN.md §9, issue 37). A listed difference that stops
 #: differing fails the run as STALE, so this table cannot outlive the code it describes.
 DELIBERATE = (
-    Deliberate("attn_out", "the peer's attn_out is the attention block's raw output; ours is what the block adds "
-               "to the residual, after the post-attention norm (sandwich-norm families)",
+    Deliberate("attn_out", "attn_out",
+               "the peer's attn_out is the attention block's raw output; ours is what the block adds to the "
+               "residual, after the post-attention norm (sandwich-norm families)",
                applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("attn_out_post")(ctx)),
                ours_is=_layer_twin("attn_out_post"), ours_is_called="the peer's attn_out_post"),
-    Deliberate("mlp_out", "the peer's mlp_out is the MLP block's raw output; ours is what the block adds to the "
-               "residual, after the post-feedforward norm (sandwich-norm families)",
+    Deliberate("mlp_out", "mlp_out",
+               "the peer's mlp_out is the MLP block's raw output; ours is what the block adds to the residual, "
+               "after the post-feedforward norm (sandwich-norm families)",
                applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("mlp_out_post")(ctx)),
                ours_is=_layer_twin("mlp_out_post"), ours_is_called="the peer's mlp_out_post"),
-    Deliberate("lm_head", "the peer's lm_head is the unembedding's output before the final logit softcap; our "
-               "logits are the model's output, after it",
+    Deliberate("lm_head", "logits",
+               "the peer's lm_head is the unembedding's output before the final logit softcap; our logits are "
+               "the model's output, after it",
                applies=lambda ctx: bool(ctx.config.get("final_logit_softcapping")),
                ours_is=_softcapped, ours_is_called="cap·tanh(the peer's lm_head / cap)"),
-    Deliberate("embeddings", "the peer's embeddings is the token embedding alone; our resid_pre.0 is the residual "
-               "entering layer 0, with the learned position embeddings added",
+    Deliberate("embeddings", "resid_pre",
+               "the peer's embeddings is the token embedding alone; our resid_pre.0 is the residual entering "
+               "layer 0, with the learned position embeddings added",
                applies=lambda ctx: ctx.config.get("model_type") == "gpt2"),
-    Deliberate("q_norm_out", "the peer's q_norm_out is the query after its qk-norm and before rotary; our q is "
-               "after rotary (the query the scores are taken from)", applies=lambda ctx: True),
-    Deliberate("k_norm_out", "the peer's k_norm_out is the key after its qk-norm and before rotary; our k is after "
-               "rotary (the key the scores are taken from)", applies=lambda ctx: True),
+    Deliberate("q_norm_out", "q",
+               "the peer's q_norm_out is the query after its qk-norm and before rotary; our q is after rotary "
+               "(the query the scores are taken from)", applies=lambda ctx: True),
+    Deliberate("k_norm_out", "k",
+               "the peer's k_norm_out is the key after its qk-norm and before rotary; our k is after rotary "
+               "(the key the scores are taken from)", applies=lambda ctx: True),
 )
-DELIBERATE_BY_NAME = {d.name: d for d in DELIBERATE}
+DELIBERATE_BY_PAIR = {(d.name, d.ours): d for d in DELIBERATE}
 
 
-def our_address(peer_address: str, our_sites) -> tuple[str, int | None] | None:
-    """Our (site, layer) for a peer address string, or None when we have no such name."""
+def our_addresses(peer_address: str, our_sites) -> list[tuple[str, int | None]]:
+    """Our (site, layer) pairs to compare a peer address with: its own name where we have it, then
+    its alias where we have that; empty when we have neither."""
     name, _, layer = peer_address.partition(".")
-    ours, _, fixed = (name if name in our_sites else ALIASES.get(name, "")).partition(".")
-    if ours not in our_sites:
-        return None
-    layer = fixed or layer
-    return ours, int(layer) if layer else None
+    out = []
+    for candidate in (name, ALIASES.get(name, "")):
+        ours, _, fixed = candidate.partition(".")
+        if ours in our_sites:
+            at = fixed or layer
+            out.append((ours, int(at) if at else None))
+    return out
 
 
 #: our names that some peer name is an alias of
@@ -117,15 +129,15 @@ def fit(ours, shape):
     return None
 
 
-def judge(peer_address: str, ours, want, ctx: Context) -> tuple[str, float, str]:
-    """(outcome, relative error, note) for one address."""
+def judge(peer_address: str, our_site: str, ours, want, ctx: Context) -> tuple[str, float, str]:
+    """(outcome, relative error, note) for one peer address against ours (at ``our_site``)."""
     from interp_engine import relative_error
 
     got = fit(ours, want.shape)
     if got is None:
         return "SHAPE", float("inf"), f"ours {tuple(ours.shape)}, the peer's {tuple(want.shape)}"
     error = relative_error(got, want)
-    rule = DELIBERATE_BY_NAME.get(peer_address.partition(".")[0])
+    rule = DELIBERATE_BY_PAIR.get((peer_address.partition(".")[0], our_site))
     if rule is None or not rule.applies(ctx):
         return ("agrees" if error <= TOLERANCE else "DIFFERS"), error, ""
     if error <= TOLERANCE:

@@ -41,7 +41,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from peer_names import DELIBERATE, SITES_ALIASED_FROM, Context, judge, our_address  # bench/peer_names.py
+from peer_names import DELIBERATE, SITES_ALIASED_FROM, Context, judge, our_addresses  # bench/peer_names.py
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SIDE = Path(__file__).resolve().with_name("peer_side.py")
@@ -136,7 +136,8 @@ FAILING = ("DIFFERS", "STALE", "SHAPE", "RAISES")
 
 @dataclasses.dataclass
 class Row:
-    """One peer point name on one family, over every layer both serve."""
+    """One peer point name against one name of ours (``ours``; empty: we have none) on one
+    family, over every layer both serve."""
 
     family: str
     name: str
@@ -167,31 +168,26 @@ def compare_family(family: str, folder: Path, tokens, peer: dict, peer_refused: 
     served = set(model.points())
     wanted, rows = {}, {}
     for address in peer:
-        name, _, layer = address.partition(".")
-        row = rows.setdefault(name, Row(family, name))
-        mapped = our_address(address, SITES)
-        if mapped is None:
-            row.outcome, row.note = "not served by us", "no such name here"
-            continue
-        site, layer = mapped
-        row.ours = site
-        streams = range(model.info.n_streams) if SITES[site].per_stream else [None]
-        ours = [Address(site, layer, s) for s in streams]
-        if all(a in served for a in ours):
-            wanted[address] = ours
-        elif not row.layers:
-            row.outcome, row.note = "not served by us", f"{site} is not served on {family}"
+        name = address.partition(".")[0]
+        mapped = our_addresses(address, SITES)
+        if not mapped:
+            rows.setdefault((name, ""), Row(family, name, "", "not served by us", note="no such name here"))
+        for site, layer in mapped:
+            row = rows.setdefault((name, site), Row(family, name, site, "not served by us"))
+            streams = range(model.info.n_streams) if SITES[site].per_stream else [None]
+            ours = [Address(site, layer, s) for s in streams]
+            if all(a in served for a in ours):
+                wanted[address, site] = ours
     cache, raised = capture(model, torch.tensor(tokens), list(dict.fromkeys(a for v in wanted.values() for a in v)))
-    for address, ours in wanted.items():
-        if ours[0].name in raised:
-            row = rows[address.partition(".")[0]]
-            row.outcome, row.note = "RAISES", f"our capture of {ours[0].name} raised {raised[ours[0].name]}"
+    for (address, site), ours in wanted.items():
+        row = rows[address.partition(".")[0], site]
+        if row.outcome == "not served by us":
+            row.outcome = "agrees"  # until judged otherwise
+        if site in raised:
+            row.outcome, row.note = "RAISES", f"our capture of {site} raised {raised[site]}"
             continue
         got = cache[ours[0]] if len(ours) == 1 else torch.stack([cache[a] for a in ours], dim=2)
-        row = rows[address.partition(".")[0]]
-        if row.outcome == "not served by us":
-            row.outcome, row.note = "agrees", "not served by us at some layers"
-        outcome, error, note = judge(address, got, peer[address], Context(config, peer, address))
+        outcome, error, note = judge(address, site, got, peer[address], Context(config, peer, address))
         row.merge(outcome, error, ours[0].layer, note)
     mapped_to = {r.ours for r in rows.values() if r.outcome != "not served by us"}
     ours_only = {a.name: peer_refused.get(SITES_ALIASED_FROM.get(a.name, a.name), "the peer has no such point")
@@ -238,10 +234,8 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, tuple[
     out = [header, "",
            "| peer point | ours | agrees ≤ 1e-5 (worst error) | deliberate difference | fails | not served by us |",
            "| --- | --- | --- | --- | --- | --- |"]
-    names = list(dict.fromkeys(r.name for r in rows))
-    for name in names:
-        mine = [r for r in rows if r.name == name]
-        ours = ", ".join(sorted({r.ours for r in mine if r.ours})) or "—"
+    for name, ours in dict.fromkeys((r.name, r.ours) for r in rows):
+        mine = [r for r in rows if (r.name, r.ours) == (name, ours)]
         agree = [r for r in mine if r.outcome == "agrees"]
         deliberate = [r for r in mine if r.outcome == "deliberate"]
         absent = [r.family for r in mine if r.outcome == "not served by us"]
@@ -250,14 +244,14 @@ def report(rows: list[Row], ours_only: dict[str, dict], errors: dict[str, tuple[
                  if deliberate else "—",
                  ", ".join(f"{r.family} ({r.outcome})" for r in mine if r.outcome in FAILING) or "—",
                  _families_text(absent, len(compared)) or "—"]
-        out.append(f"| `{name}` | {ours} | " + " | ".join(cells) + " |")
+        out.append(f"| `{name}` | {f'`{ours}`' if ours else '—'} | " + " | ".join(cells) + " |")
     out += ["", "Deliberate differences (where they apply, with the largest relative difference):", ""]
     for rule in DELIBERATE:
-        hit = [r for r in rows if r.name == rule.name and r.outcome == "deliberate"]
+        hit = [r for r in rows if (r.name, r.ours) == (rule.name, rule.ours) and r.outcome == "deliberate"]
         if hit:
             worst = max(hit, key=lambda r: r.error)
-            out.append(f"- `{rule.name}` on {', '.join(r.family for r in hit)} (up to {worst.error:.2g}): "
-                       f"{worst.note}")
+            out.append(f"- `{rule.name}` ↔ our `{rule.ours}` on {', '.join(r.family for r in hit)} "
+                       f"(up to {worst.error:.2g}): {worst.note}")
     only: dict[str, list[str]] = {}
     for family, names_ in sorted(ours_only.items()):
         for name in names_:

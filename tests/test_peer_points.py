@@ -36,21 +36,23 @@ finally:
 
 def test_the_peer_names_map_onto_ours():
     sites = {"pattern", "mlp_post", "v", "resid_pre", "logits", "z", "attn_out"}
-    assert names.our_address("attn_probs.2", sites) == ("pattern", 2)
-    assert names.our_address("mlp_act.0", sites) == ("mlp_post", 0)
-    assert names.our_address("value.1", sites) == ("v", 1)
-    assert names.our_address("lm_head", sites) == ("logits", None)
-    assert names.our_address("embeddings", sites) == ("resid_pre", 0)  # model-level there, layer 0 here
-    assert names.our_address("z.3", sites) == ("z", 3)
-    assert names.our_address("attn_in.1", sites) is None
-    assert names.our_address("attn_in.1", sites | {"attn_in"}) == ("attn_in", 1)  # a name we gain is compared
-    assert names.our_address("embeddings", sites | {"embeddings"}) == ("embeddings", None)  # under its own name
+    assert names.our_addresses("attn_probs.2", sites) == [("pattern", 2)]
+    assert names.our_addresses("mlp_act.0", sites) == [("mlp_post", 0)]
+    assert names.our_addresses("value.1", sites) == [("v", 1)]
+    assert names.our_addresses("lm_head", sites) == [("logits", None)]
+    assert names.our_addresses("embeddings", sites) == [("resid_pre", 0)]  # model-level there, layer 0 here
+    assert names.our_addresses("z.3", sites) == [("z", 3)]
+    assert names.our_addresses("attn_in.1", sites) == []
+    assert names.our_addresses("attn_in.1", sites | {"attn_in"}) == [("attn_in", 1)]  # a name we gain is compared
+    # a name we serve ourselves first, then its alias too
+    assert names.our_addresses("embeddings", sites | {"embeddings"}) == [("embeddings", None), ("resid_pre", 0)]
 
 
 def test_every_alias_and_rule_names_a_real_site():
     assert {a.partition(".")[0] for a in names.ALIASES.values()} <= set(SITES), "an alias names no site of ours"
     for rule in names.DELIBERATE:
-        assert rule.why and (rule.name in SITES or rule.name in names.ALIASES), rule.name
+        assert rule.why and rule.ours in SITES, rule
+        assert rule.ours == rule.name or names.ALIASES[rule.name].partition(".")[0] == rule.ours, rule
 
 
 def _ctx(peer: dict, address: str, **config) -> object:
@@ -60,33 +62,36 @@ def _ctx(peer: dict, address: str, **config) -> object:
 def test_heads_compare_flattened_and_a_changed_value_fails():
     ours = torch.randn(2, 5, 4, 8)
     peer = ours.reshape(2, 5, 32).clone()
-    assert names.judge("z.1", ours, peer, _ctx({"z.1": peer}, "z.1"))[0] == "agrees"
+    assert names.judge("z.1", "z", ours, peer, _ctx({"z.1": peer}, "z.1"))[0] == "agrees"
     peer[1, 2, 3] += 1e-3 * peer.abs().max()
-    assert names.judge("z.1", ours, peer, _ctx({"z.1": peer}, "z.1"))[0] == "DIFFERS"
-    assert names.judge("z.1", torch.randn(2, 5, 4, 7), peer, _ctx({}, "z.1"))[0] == "SHAPE"
+    assert names.judge("z.1", "z", ours, peer, _ctx({"z.1": peer}, "z.1"))[0] == "DIFFERS"
+    assert names.judge("z.1", "z", torch.randn(2, 5, 4, 7), peer, _ctx({}, "z.1"))[0] == "SHAPE"
 
 
 def test_a_listed_difference_must_differ_and_ours_must_be_the_named_twin():
     raw, post = torch.randn(1, 4, 16), torch.randn(1, 4, 16)
     peer = {"attn_out.0": raw, "attn_out_post.0": post}
     ctx = _ctx(peer, "attn_out.0")
-    outcome, error, note = names.judge("attn_out.0", post, raw, ctx)  # ours is the contribution
+    outcome, error, note = names.judge("attn_out.0", "attn_out", post, raw, ctx)  # ours is the contribution
     assert outcome == "deliberate" and error > 1e-5 and "attn_out_post" in note
-    assert names.judge("attn_out.0", raw, raw, ctx)[0] == "STALE"  # ours became the raw output
-    assert names.judge("attn_out.0", torch.randn(1, 4, 16), raw, ctx)[0] == "DIFFERS"  # neither
+    assert names.judge("attn_out.0", "attn_out", raw, raw, ctx)[0] == "STALE"  # ours became the raw output
+    assert names.judge("attn_out.0", "attn_out", torch.randn(1, 4, 16), raw, ctx)[0] == "DIFFERS"  # neither
     same = {"attn_out.0": raw, "attn_out_post.0": raw}  # no post-norm: the rule does not apply
-    assert names.judge("attn_out.0", raw, raw, _ctx(same, "attn_out.0"))[0] == "agrees"
-    assert names.judge("attn_out.0", post, raw, _ctx(same, "attn_out.0"))[0] == "DIFFERS"
+    assert names.judge("attn_out.0", "attn_out", raw, raw, _ctx(same, "attn_out.0"))[0] == "agrees"
+    assert names.judge("attn_out.0", "attn_out", post, raw, _ctx(same, "attn_out.0"))[0] == "DIFFERS"
 
 
 def test_logits_after_the_softcap_against_lm_head_before_it():
     lm_head = torch.randn(1, 3, 11) * 40
     capped = 30.0 * torch.tanh(lm_head / 30.0)
     ctx = _ctx({"lm_head": lm_head}, "lm_head", final_logit_softcapping=30.0)
-    assert names.judge("lm_head", capped, lm_head, ctx)[0] == "deliberate"
-    assert names.judge("lm_head", lm_head, lm_head, ctx)[0] == "STALE"
+    assert names.judge("lm_head", "logits", capped, lm_head, ctx)[0] == "deliberate"
+    assert names.judge("lm_head", "logits", lm_head, lm_head, ctx)[0] == "STALE"
     uncapped = _ctx({"lm_head": lm_head}, "lm_head", final_logit_softcapping=None)
-    assert names.judge("lm_head", lm_head, lm_head, uncapped)[0] == "agrees"
+    assert names.judge("lm_head", "logits", lm_head, lm_head, uncapped)[0] == "agrees"
+    # the rule is about our logits: our own lm_head (same name) must equal the peer's, capped or not
+    assert names.judge("lm_head", "lm_head", lm_head, lm_head, ctx)[0] == "agrees"
+    assert names.judge("lm_head", "lm_head", capped, lm_head, ctx)[0] == "DIFFERS"
 
 
 def test_the_exchange_file_round_trips(tmp_path):

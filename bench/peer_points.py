@@ -107,6 +107,9 @@ def ensure_peer_venv(venv: Path) -> Path:
                                     cwd=tempfile.gettempdir(), env=_clean_env()).stdout.split()
     if venv not in Path(where).resolve().parents:
         sys.exit(f"the peer venv at {venv} imports interp_engine from {where}, not from itself")
+    pinned = next(p.split("==")[1] for p in PEER_PACKAGES if p.startswith("interp-engine"))
+    if version != pinned:
+        print(f"note: the peer venv at {venv} holds interp-engine {version}, not the pinned {pinned}", file=sys.stderr)
     return python
 
 

@@ -4,6 +4,7 @@ through a bounded buffer, deterministic from its seed, and resumable from ``stat
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -80,3 +81,27 @@ def test_positions_keep_the_build_rows(llama, tmp_path):
     want = built_rows(llama, PROMPTS, POINTS[:1], tmp_path / "probe", shard_size=4, positions=[0, -1])
     rows = joined(activation_stream(llama, PROMPTS, POINTS[:1], positions=[0, -1], **SETTINGS), POINTS[:1])
     assert len(rows) == 2 * len(PROMPTS) and same_multiset(rows, want[POINTS[0]])
+
+
+def test_a_slow_consumer_pauses_the_capture(llama, monkeypatch):
+    """Back-pressure: rows captured but not yet yielded never exceed the pool plus the chunks
+    allowed in flight, however slowly the batches are taken."""
+    import interp_engine.stream.stream as module
+
+    captured = []
+    real = module.capture_rows
+
+    def counting(model, spec, index, texts, expected):
+        rows = real(model, spec, index, texts, expected)
+        captured.append(len(expected))
+        return rows
+
+    monkeypatch.setattr(module, "capture_rows", counting)
+    stream = activation_stream(llama, PROMPTS * 3, POINTS[:1], prefetch=2, **SETTINGS)
+    largest = max(len(k) for k in stream._keys)
+    yielded = 0
+    for batch in stream:
+        yielded += len(batch)
+        time.sleep(0.01)  # a slow trainer: the producer threads get every chance to run ahead
+        assert sum(captured) - yielded <= SETTINGS["shuffle_buffer"] + 3 * largest
+    assert yielded == sum(captured) == stream.rows_per_epoch

@@ -28,6 +28,13 @@ def chunk_keys(spec: ShardSpec, lengths: np.ndarray, index: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 2), np.int64)
 
 
+def chunk_rows(spec: ShardSpec, lengths: np.ndarray) -> np.ndarray:
+    """The number of rows of every chunk, from the prompt lengths alone."""
+    kept = lengths.astype(np.int64) if spec.positions is None else np.array(
+        [len(resolve_row(spec.positions, int(n))) for n in lengths], np.int64)
+    return np.add.reduceat(kept, np.arange(spec.n_shards) * spec.shard_size) if len(kept) else np.zeros(0, np.int64)
+
+
 def capture_rows(model, spec: ShardSpec, index: int, texts: list[str], expected: np.ndarray) -> dict[str, torch.Tensor]:
     """Capture chunk ``index`` (``texts``) and return its rows per point, in ``expected``'s order."""
     captured = capture_shard(model, spec, index, texts)

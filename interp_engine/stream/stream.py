@@ -37,7 +37,7 @@ from ..request import Points
 from ..scalars import integer
 from .buffer import ShuffleBuffer
 from .produce import Producer, replicas
-from .rows import capture_rows, chunk_keys
+from .rows import capture_rows, chunk_keys, chunk_rows
 
 STATE_FORMAT = 1
 
@@ -133,8 +133,9 @@ class ActivationStream(torch.utils.data.IterableDataset):
         self.batch, self.capacity, self.seed, self.epochs = batch, capacity, seed, epochs
         self.prefetch, self.fingerprint, self.start, self.progress = prefetch, fingerprint, start, progress
         self._position = start
-        self._keys = [chunk_keys(spec, lengths, i) for i in range(spec.n_shards)]
-        self.rows_per_epoch = int(sum(len(k) for k in self._keys))
+        #: rows of each chunk (its keys are made when it is captured: a long stream keeps no key per row)
+        self.chunk_rows = chunk_rows(spec, lengths)
+        self.rows_per_epoch = int(self.chunk_rows.sum())
 
     def __len__(self) -> int:
         """Batches in all epochs (each epoch's last batch may be short)."""
@@ -172,13 +173,13 @@ class ActivationStream(torch.utils.data.IterableDataset):
 
     def _epoch(self, epoch: int, skip: int, texts: list[str]) -> Iterator[dict]:
         order = self.epoch_order(epoch)
-        room = self.capacity + max((len(k) for k in self._keys), default=0)
+        room = self.capacity + int(self.chunk_rows.max(initial=0))
         pool = ShuffleBuffer(self.capacity, self.batch, np.random.default_rng([self.seed, epoch, 1]), room)
         first = self._replay(pool, order, skip)
-        spec, keys = self.spec, self._keys
+        spec, counts = self.spec, self.chunk_rows
 
         def job(i):
-            return capture_rows(self.model, spec, i, _chunk_texts(texts, spec, i), keys[i])
+            return capture_rows(self.model, spec, i, _chunk_texts(texts, spec, i), chunk_keys(spec, self.lengths, i))
 
         held = pool.held_chunks() if skip else []
         with Producer(job, self.prefetch, serial=replicas(self.model) is None) as producer:
@@ -187,7 +188,8 @@ class ActivationStream(torch.utils.data.IterableDataset):
             while pool.ready(draining=False):  # where the first stream stood: drawing, not inserting
                 yield pool.draw()[1]
             for position, values in producer.run([int(c) for c in order[first:]]):
-                pool.insert(int(order[first + position]), len(keys[int(order[first + position])]), values)
+                chunk = int(order[first + position])
+                pool.insert(chunk, int(counts[chunk]), values)
                 while pool.ready(draining=False):
                     yield pool.draw()[1]
             while pool.ready(draining=True):
@@ -198,7 +200,7 @@ class ActivationStream(torch.utils.data.IterableDataset):
         done = drawn = 0
         while drawn < skip:
             if done < len(order) and not pool.ready(draining=False):
-                pool.insert(int(order[done]), len(self._keys[int(order[done])]))
+                pool.insert(int(order[done]), int(self.chunk_rows[int(order[done])]))
                 done += 1
                 continue
             if not pool.ready(draining=done == len(order)):

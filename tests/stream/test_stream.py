@@ -98,7 +98,7 @@ def test_a_slow_consumer_pauses_the_capture(llama, monkeypatch):
 
     monkeypatch.setattr(module, "capture_rows", counting)
     stream = activation_stream(llama, PROMPTS * 3, POINTS[:1], prefetch=2, **SETTINGS)
-    largest = max(len(k) for k in stream._keys)
+    largest = int(stream.chunk_rows.max())
     yielded = 0
     for batch in stream:
         yielded += len(batch)

@@ -43,10 +43,6 @@ class Producer:
         with self._lock:
             return self.job(chunk)
 
-    def now(self, chunk: int):
-        """Capture ``chunk`` and wait for it."""
-        return self._pool.submit(self._run, chunk).result()
-
     def run(self, chunks: Iterable[int]) -> Iterator[tuple[int, object]]:
         """``(i, rows)`` for the ``i``-th of ``chunks``, in order; each is asked for only when fewer
         than ``prefetch`` chunks are in flight or waiting to be taken."""

@@ -181,10 +181,10 @@ class ActivationStream(torch.utils.data.IterableDataset):
         def job(i):
             return capture_rows(self.model, spec, i, _chunk_texts(texts, spec, i), chunk_keys(spec, self.lengths, i))
 
-        held = pool.held_chunks() if skip else []
+        held = [int(c) for c in pool.held_chunks()] if skip else []
         with Producer(job, self.prefetch, serial=replicas(self.model) is None) as producer:
-            for chunk in held:  # a resume: the pooled rows' chunks, captured again
-                pool.fill(int(chunk), producer.now(int(chunk)))
+            for position, values in producer.run(held):  # a resume: the pooled rows' chunks, captured again
+                pool.fill(held[position], values)
             while pool.ready(draining=False):  # where the first stream stood: drawing, not inserting
                 yield pool.draw()[1]
             for position, values in producer.run([int(c) for c in order[first:]]):
@@ -215,8 +215,9 @@ class ActivationStream(torch.utils.data.IterableDataset):
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.rows_per_epoch * self.epochs, unit="row", desc="activation_stream",
-                    dynamic_ncols=True)
+        total = self.rows_per_epoch * self.epochs
+        done = min(total, self.start[0] * self.rows_per_epoch + self.start[1] * self.batch)
+        return tqdm(total=total, initial=done, unit="row", desc="activation_stream", dynamic_ncols=True)
 
 
 def _chunk_texts(texts: list[str], spec: ShardSpec, index: int) -> list[str]:

@@ -53,7 +53,6 @@ def test_killing_a_replica_mid_stream_changes_nothing(cluster, tiny_path, built)
                 kill_replica(model, 1, restart=False)  # gone for good: the other replica finishes alone
         assert same_multiset(joined(batches, POINTS), built)  # nothing lost, nothing twice
         resubmitted = ray.get(model._coordinator.resubmitted.remote())
-        print("resubmitted", resubmitted)
         assert resubmitted >= 1  # the kill hit captures in flight
     finally:
         model.close()

@@ -33,8 +33,9 @@ def test_epoch_is_the_dataset_rows(llama, built):
     rows = joined(batches, POINTS)
     assert same_multiset(rows, built)  # exact: same values, each row as often as the build writes it
     assert not np.array_equal(rows, built)  # and shuffled
-    again = joined(activation_stream(llama, PROMPTS, POINTS, **SETTINGS), POINTS)
-    assert np.array_equal(rows, again)  # the seed fixes the order
+    loader = torch.utils.data.DataLoader(activation_stream(llama, PROMPTS, POINTS, **SETTINGS), batch_size=None)
+    again = joined(loader, POINTS)
+    assert np.array_equal(rows, again)  # the seed fixes the order (and a DataLoader passes batches through)
     other = joined(activation_stream(llama, PROMPTS, POINTS, **{**SETTINGS, "seed": 6}), POINTS)
     assert not np.array_equal(rows, other) and same_multiset(other, built)
 

@@ -93,3 +93,4 @@ from .errors import TokenOriginError as TokenOriginError
 from .errors import UnsafeServiceAnswer as UnsafeServiceAnswer
 
 from .version import VERSION as __version__
+from .stream import activation_stream as activation_stream

@@ -19,9 +19,11 @@ from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, Strict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import AddressError, InputError, LimitExceeded, MissingDictionary, shown
 from . import http_wire
@@ -154,6 +156,16 @@ async def malformed(request, err: RequestValidationError) -> JSONResponse:
         problems.append(f"{where or 'the body'}: {str(item.get('msg', 'invalid'))[:200]}")
     more = f" (and {len(err.errors()) - 5} more)" if len(err.errors()) > 5 else ""
     return _error(400, "InputError", f"the request does not match the schema (/docs): {'; '.join(problems)}{more}")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def unreadable(request, err: StarletteHTTPException):
+    """FastAPI's own 400 (a body it cannot parse, e.g. an integer of thousands of digits) in the
+    library's error form; other statuses as FastAPI answers them."""
+    if err.status_code == 400:
+        return _error(400, "InputError", f"the request body is not JSON this service can read ({err.detail}): "
+                      f"send a JSON object as /docs describes")
+    return await http_exception_handler(request, err)
 
 
 @app.exception_handler(Exception)

@@ -36,6 +36,7 @@ from ..points import check_points
 from ..wire import Packed
 from ..positions import width_bound
 from . import compat
+from .app import MAX_ONGOING, MAX_QUEUED
 from .identity import check as check_identity
 from .identity import identity as identity_of
 from .held import HeldDictionaries
@@ -73,7 +74,9 @@ class _Core(ReplicaCore):
                     import ray
 
                     data = ray.get(data)
-                dictionary = self.held.keep(key, data if isinstance(data, Dictionary) else dictionary_from_replica(data))
+                if not isinstance(data, Dictionary):
+                    data = dictionary_from_replica(data)
+                dictionary = self.held.keep(key, data)
             out.append(dictionary)
         return out
 
@@ -91,10 +94,9 @@ class CaptureReplica:
         self.token_sha256 = token_sha256
         self.limits = limits
         self.service = dict(service)
-        config = context._deployment_config
         # app.py gives Serve room for max_uploads bodies being received besides the requests that run
-        self.slots = Slots(service.get("max_ongoing_requests", config.max_ongoing_requests),
-                           service.get("max_queued_requests", config.max_queued_requests))
+        self.slots = Slots(service.get("max_ongoing_requests", MAX_ONGOING),
+                           service.get("max_queued_requests", MAX_QUEUED))
 
     @property
     def model(self):

@@ -7,6 +7,8 @@ stay within the replica's bound."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import dataclasses
 import http.client
 import json
 import select
@@ -76,8 +78,8 @@ def _vector(n: int = 128) -> dict:
 CASES = {
     "boolean token ids": ("/capture", {"tokens": [[True, False]], "points": POINTS}, 400, "tokens[0][0]"),
     "boolean positions": ("/capture", {"tokens": [ROW], "points": POINTS, "positions": True}, 400, "positions"),
-    "boolean heads": ("/capture", {"tokens": [ROW], "points": POINTS, "edits": {"z.0": {"kind": "zero", "heads": [True]}}},
-                      400, "heads"),
+    "boolean heads": ("/capture", {"tokens": [ROW], "points": POINTS,
+                                   "edits": {"z.0": {"kind": "zero", "heads": [True]}}}, 400, "heads"),
     "boolean max_tokens": ("/generate", {"tokens": [ROW], "points": POINTS, "max_tokens": True}, 400, "max_tokens"),
     "int stop_at_eos": ("/generate", {"tokens": [ROW], "points": POINTS, "stop_at_eos": 1}, 400, "stop_at_eos"),
     "boolean norm_relative": ("/capture", {"tokens": [ROW], "points": POINTS, "edits": {"resid_post.0": {
@@ -94,8 +96,8 @@ CASES = {
     "add without vector": ("/capture", {"tokens": [ROW], "points": POINTS,
                                         "edits": {"resid_post.0": [{"kind": "add", "scale": 2.0}]}}, 400, "'vector'",
                            "[0]"),
-    "scale without factor": ("/capture", {"tokens": [ROW], "points": POINTS, "edits": {"resid_post.0": {"kind": "scale"}}},
-                             400, "'factor'"),
+    "scale without factor": ("/capture", {"tokens": [ROW], "points": POINTS,
+                                          "edits": {"resid_post.0": {"kind": "scale"}}}, 400, "'factor'"),
     "zero with a factor": ("/capture", {"tokens": [ROW], "points": POINTS, "edits": {"resid_post.0": {
         "kind": "zero", "factor": 2.0}}}, 400, "'factor' is not a field of a 'zero' edit"),
     "set with a vector": ("/capture", {"tokens": [ROW], "points": POINTS, "edits": {"resid_post.0": {
@@ -141,7 +143,8 @@ def test_a_dictionary_upload_without_options_is_refused_naming_it(service, eager
     tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
     no_options = base64.b64encode(encode_tensors(tensors, {"format": DICTIONARY_FORMAT, "key": sae.key,
                                                            "reads": "resid_post.1", "writes": "resid_post.1"})).decode()
-    body = {"tokens": [ROW], "points": ["resid_post.1.features"], "saes": [sae.key], "dictionaries": {sae.key: no_options}}
+    body = {"tokens": [ROW], "points": ["resid_post.1.features"], "saes": [sae.key],
+            "dictionaries": {sae.key: no_options}}
     header = {"X-Interp-Engine-Dictionaries": "1"}
     _refused(*_send(service, "POST", "/capture", body, header), 400, "'options'", f"dictionaries['{sae.key}']")
     body["dictionaries"] = {sae.key: "!" + dictionary_to_json(sae)[1:]}  # what is not base64 counts as request
@@ -254,26 +257,30 @@ def _slow_upload(service) -> socket.socket:
 
 def test_slow_uploads_hold_no_capture_slot(service, eager_models):
     """Capture slots + 4 slow uploads (2 replicas x 8 slots + 4) held open: normal captures still
-    answer, equal to the local model, while every slow one is still waiting; then each slow one
-    gets a 408 that names the rate to keep."""
-    slots = 2 * service_slots(service)
-    slow = [_slow_upload(service) for _ in range(slots + 4)]
-    try:
-        model = connect(service.url, token=service.token)
-        def held() -> int:  # requests the replicas hold: the slow uploads and this status request
-            return sum(n or 0 for n in model.status()["queue"].values()) - 1
+    answer, equal to the local model, before any slow one is answered (within the slow ones'
+    grace); then each slow one gets a 408 that names the rate to keep."""
+    local = eager_models("llama")
+    model = connect(service.url, token=service.token)
+    prompts = [local.to_tokens(text) for text in ("Hello there", "over the lazy dog again")]
 
+    def captures():
+        return [run_with_cache(model, tokens, POINTS)["resid_post.1"] for tokens in prompts]
+
+    def held() -> int:  # requests the replicas hold: the slow uploads and this status request
+        return sum(n or 0 for n in model.status()["queue"].values()) - 1
+
+    slow = [_slow_upload(service) for _ in range(2 * service_slots(service) + 4)]
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
         deadline = time.monotonic() + 60
         while held() < len(slow) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert held() >= len(slow)
-        local = eager_models("llama")
-        for text in ("Hello there", "over the lazy dog again"):
-            tokens = local.to_tokens(text)
-            assert_near(run_with_cache(model, tokens, POINTS)["resid_post.1"],
-                        run_with_cache(local, tokens, POINTS)["resid_post.1"], text)
+        got = pool.submit(captures).result(timeout=LIMITS.upload_grace_s)
         readable, _, _ = select.select(slow, [], [], 0)
         assert not readable  # the captures above did not wait for them
+        for tokens, tensor in zip(prompts, got):
+            assert_near(tensor, run_with_cache(local, tokens, POINTS)["resid_post.1"], "beside slow uploads")
         for sock in slow:
             answer = b""
             while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
@@ -286,8 +293,52 @@ def test_slow_uploads_hold_no_capture_slot(service, eager_models):
     finally:
         for sock in slow:
             sock.close()
-    _still_serves(service, eager_models("llama"))
+        pool.shutdown()
+    _still_serves(service, local)
 
 
 def service_slots(service) -> int:
     return connect(NAME).service.get("max_ongoing_requests", 8)
+
+
+def test_the_guard_times_slow_bodies_out_and_answers_503_past_the_queue():
+    """The ASGI guard alone (no Serve): a body that stops after 11 of 900 bytes gets 408 once its
+    grace is over; with one slot and no queue, two requests beside a running one get 503."""
+    import asyncio
+
+    from interp_engine.service.auth import token_sha256 as digest
+    from interp_engine.service.http_guard import Guard, Slots
+
+    class Owner:
+        token_sha256 = digest("t")
+        limits = dataclasses.replace(LIMITS, upload_grace_s=1, min_upload_bytes_per_s=1000)
+        slots = Slots(1, 0)
+
+    async def inner(scope, receive, send):
+        body = (await receive())["body"]
+        await asyncio.sleep(0.5)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    guard = Guard(inner, Owner)
+
+    async def post(part: bytes, size: int):
+        queue = asyncio.Queue()
+        queue.put_nowait({"type": "http.request", "body": part, "more_body": len(part) < size})
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", b"Bearer t"), (b"content-length", str(size).encode())]
+        await guard({"type": "http", "method": "POST", "headers": headers}, queue.get, send)
+        return sent[0]["status"], sent[1]["body"]
+
+    async def main():
+        started = time.monotonic()
+        status, body = await post(b"x" * 11, 900)  # more_body, then nothing comes
+        assert status == 408 and b"11 of 900 bytes" in body and 1 <= time.monotonic() - started < 30
+        answers = await asyncio.gather(*(post(b"y", 1) for _ in range(3)))
+        assert sorted(status for status, _ in answers) == [200, 503, 503]
+
+    asyncio.run(main())

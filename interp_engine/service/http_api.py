@@ -41,6 +41,7 @@ Count = Annotated[int, Strict(), Field(ge=0, le=2**62)]
 TokenId = Annotated[int, Strict(), Field(ge=-1, le=2**62, description="a token id, -1 where padded")]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Text = Annotated[str, Strict()]
+Key = Annotated[str, Strict(), Field(min_length=1, max_length=128, description="a dictionary's content key")]
 Flag = Annotated[bool, Strict()]
 
 
@@ -97,10 +98,10 @@ class CaptureRequest(BaseModel):
                                                    "or {'slice': [start, stop, step]}; null keeps all")
     edits: dict[str, EditJSON | list[EditJSON]] | None = Field(
         None, description="address -> an edit, or a list of edits applied in order")
-    saes: list[Text] | None = Field(
+    saes: list[Key] | None = Field(
         None, description="content keys of the dictionaries the call's feature points and edits use; a replica "
                           "that holds none under a key answers 409 {'error': 'MissingDictionary', 'keys': [...]}")
-    dictionaries: dict[Text, Text] | None = Field(
+    dictionaries: dict[Key, Text] | None = Field(
         None, description="key -> a dictionary's weights (base64 of a safetensors file, docs/SERVICE.md), "
                           "sent when a replica asked for them")
 
@@ -310,7 +311,7 @@ def _parsed(owner, body: CaptureRequest, new_tokens: int = 0):
 
 
 def _dictionaries(owner, body: CaptureRequest, size: int) -> tuple[list | None, dict[str, int]]:
-    """The request's dictionaries as ``[(key, dictionary or None where the replica holds it)]``, and each
+    """The request's dictionaries as ``[(key, dictionary)]`` (sent with it, or held here), and each
     attached site's feature count (for the response bound). A
     :class:`~interp_engine.errors.MissingDictionary` names the keys this replica lacks. ``size``:
     the body's bytes; what is not dictionaries' weights stays under ``max_request_bytes``."""
@@ -328,7 +329,7 @@ def _dictionaries(owner, body: CaptureRequest, size: int) -> tuple[list | None, 
     given = {key: http_wire.dictionary_from_json(text, key) for key, text in (body.dictionaries or {}).items()}
     unused = sorted(set(given) - set(body.saes))
     if unused:
-        raise InputError(f"dictionaries {unused} were sent but 'saes' does not name them")
+        raise InputError(f"dictionaries {shown(unused)} were sent but 'saes' does not name them")
     held = owner.held_dictionaries([key for key in body.saes if key not in given])
     missing = [key for key in dict.fromkeys(body.saes) if key not in given and key not in held]
     if missing:

@@ -89,6 +89,8 @@ CASES = {
     "an int of 5000 digits": ("/capture", b'{"tokens": [[' + b"9" * 5000 + b']], "points": ["resid_post.1"]}', 400,
                               "not JSON"),
     "a string of 60 KB as tokens": ("/capture", {"tokens": "x" * 60000, "points": POINTS}, 400, "tokens"),
+    "a dictionary key of 60 KB": ("/capture", {"tokens": [ROW], "points": POINTS, "saes": ["k" * 60000]}, 400,
+                                  "saes[0]"),
     "NaN scale": ("/capture", b'{"tokens": [[5]], "points": ["resid_post.1"], "edits": {"resid_post.0": '
                   b'{"kind": "scale", "factor": NaN}}}', 400, "factor"),
     "set without value": ("/capture", {"tokens": [ROW], "points": POINTS, "edits": {"resid_post.0": {"kind": "set"}}},

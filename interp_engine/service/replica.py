@@ -148,6 +148,10 @@ class CaptureReplica:
         return {**self.service, "replica": self.replica_id, "pid": os.getpid(), "node": self.core.node,
                 "dictionaries": self.core.held.stats()}
 
+    def record_routing_stats(self) -> dict:
+        """What :func:`.compat.replica_stats` reads for the status: the dictionaries held here."""
+        return {"dictionaries": self.core.held.stats()}
+
     async def run(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
         async with self.slots.take(bounded=False):
             return await self.run_now(tokens, points, positions, edits, saes)

@@ -198,7 +198,7 @@ async def capture(body: CaptureRequest, request: Request) -> Response:
         tokens, points, positions, edits = _parsed(owner, body)
         saes, widths = _dictionaries(owner, body, int(request.headers["content-length"]))
         owner.check_limits(tokens, points, positions, widths=widths)
-        captured = await owner.run_now(tokens, points, positions, edits, saes)
+        captured = await owner._run_now(tokens, points, positions, edits, saes)
         data = http_wire.encode_capture(captured, points)
         owner.limits.check_response(len(data))
     except REFUSED as err:
@@ -216,7 +216,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         tokens, points, positions, edits = _parsed(owner, body, body.max_tokens)
         saes, widths = _dictionaries(owner, body, int(request.headers["content-length"]))
         owner.check_limits(tokens, points, positions, body.max_tokens, widths=widths)
-        generated = await owner.generate_now(tokens, points, options, positions, edits, saes)
+        generated = await owner._generate_now(tokens, points, options, positions, edits, saes)
         data = http_wire.encode_capture(generated, points)
         owner.limits.check_response(len(data))
     except REFUSED as err:

@@ -154,18 +154,19 @@ class CaptureReplica:
 
     async def run(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
         async with self.slots.take(bounded=False):
-            return await self.run_now(tokens, points, positions, edits, saes)
+            return await self._run_now(tokens, points, positions, edits, saes)
 
     async def generate(self, tokens, points, options: dict, positions=None, edits=None,
                        saes=None) -> GenerationReply:
         async with self.slots.take(bounded=False):
-            return await self.generate_now(tokens, points, options, positions, edits, saes)
+            return await self._generate_now(tokens, points, options, positions, edits, saes)
 
-    async def run_now(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
-        """:meth:`run` in a slot taken already (an HTTP request's, :mod:`.http_guard`)."""
+    async def _run_now(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
+        """:meth:`run` in a slot taken already (an HTTP request's, :mod:`.http_guard`; private, so a
+        Ray client's :meth:`checked` call cannot skip the slot)."""
         return await self._in_thread(self.core.run, tokens, points, positions, edits, saes)
 
-    async def generate_now(self, tokens, points, options: dict, positions=None, edits=None,
+    async def _generate_now(self, tokens, points, options: dict, positions=None, edits=None,
                            saes=None) -> GenerationReply:
         return await self._in_thread(self.core.generate, tokens, points, options, positions, edits, saes)
 

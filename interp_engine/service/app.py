@@ -48,9 +48,13 @@ def application(model: str, name: str, url: str, token_sha256: str, *, backend: 
         actor["runtime_env"] = {"env_vars": {k: str(v) for k, v in env_vars.items()}}
     count = scaling.get("num_replicas") or scaling["autoscaling_config"]["min_replicas"]
     facts = {"name": name, "url": url, "model": str(model), "backend": backend, "replicas": count,
-             "limits": dataclasses.asdict(limits), "deploy_id": deploy_id or secrets.token_hex(8)}
+             "limits": dataclasses.asdict(limits), "deploy_id": deploy_id or secrets.token_hex(8),
+             "max_ongoing_requests": max_ongoing_requests, "max_queued_requests": max_queued_requests}
+    # Serve counts an HTTP request from before its body arrives: room for max_uploads bodies being
+    # received beside the max_ongoing_requests that run (the replica's own slots, http_guard.Slots)
     deployment = ray_serve.deployment(
-        CaptureReplica, name=DEPLOYMENT, ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
+        CaptureReplica, name=DEPLOYMENT, ray_actor_options=actor,
+        max_ongoing_requests=max_ongoing_requests + limits.max_uploads,
         max_queued_requests=max_queued_requests,
         backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
         max_constructor_retry_count=count, health_check_period_s=2, health_check_timeout_s=30, **scaling)

@@ -10,6 +10,9 @@
   changes.
 - :func:`ongoing_requests`: the queue length of each replica of an application, read from Serve's
   replica actors (``ReplicaActor.get_num_ongoing_requests``, what Serve's router asks them).
+- :func:`replica_stats`: what each replica reports of itself (the dictionaries it holds), through
+  Serve's ``ReplicaActor.record_routing_stats``, which calls the deployment's own
+  ``record_routing_stats`` (Serve also polls it for custom request routers; ours ignore it).
 """
 
 from __future__ import annotations
@@ -58,4 +61,18 @@ def ongoing_requests(app: str, timeout: float = 5.0) -> dict[str, int | None]:
             out[replica_id] = int(ray.get(actor.get_num_ongoing_requests.remote(), timeout=timeout))
         except Exception:
             out[replica_id] = None
+    return out
+
+
+def replica_stats(app: str, timeout: float = 5.0) -> dict[str, dict | None]:
+    """Replica id -> its ``record_routing_stats()``; None where it did not answer."""
+    import ray
+
+    out: dict[str, dict | None] = {}
+    for name in replica_actors(app):
+        try:
+            actor = ray.get_actor(name, namespace="serve")
+            out[name.rsplit("#", 1)[-1]] = dict(ray.get(actor.record_routing_stats.remote(), timeout=timeout))
+        except Exception:
+            out[name.rsplit("#", 1)[-1]] = None
     return out

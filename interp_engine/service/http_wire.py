@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ import torch
 from ..edit_directions import NUMBERS
 from ..wire import CaptureReply, GenerationReply
 from ..wire import Packed, SparsePacked
-from ..errors import InternalError
+from ..errors import InputError, InternalError, shown
 
 FORMAT = "interp_engine.capture/1"
 DICTIONARY_FORMAT = "interp_engine.dictionary/1"
@@ -49,16 +50,29 @@ def tensor_to_json(array) -> dict:
     return {"shape": list(array.shape), "dtype": "float32", "data": base64.b64encode(array.tobytes()).decode()}
 
 
-def tensor_from_json(data: dict) -> np.ndarray:
-    """The array :func:`tensor_to_json` described; a ``ValueError`` naming the mismatch otherwise."""
+def tensor_from_json(data: dict, where: str = "a tensor") -> np.ndarray:
+    """The array :func:`tensor_to_json` described; an ``InputError`` naming ``where`` (the request
+    field) and the mismatch otherwise. The size the shape names is checked against the data before
+    anything is built."""
     dtype = JSON_DTYPES.get(data.get("dtype", "float32"))
     if dtype is None:
-        raise ValueError(f"tensor dtype {data.get('dtype')!r} is not one of {', '.join(JSON_DTYPES)}")
-    raw = base64.b64decode(data["data"], validate=True)
-    shape = [int(n) for n in data["shape"]]
-    if len(raw) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-        raise ValueError(f"tensor data holds {len(raw)} bytes, but shape {shape} of {dtype.name} needs "
-                         f"{int(np.prod(shape, dtype=np.int64)) * dtype.itemsize}")
+        raise InputError(f"{where}: dtype {shown(data.get('dtype'))} is not one of {', '.join(JSON_DTYPES)}")
+    shape = data.get("shape")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise InputError(f"{where}: shape must be a list of non-negative ints, got {shown(shape)}")
+    text = data.get("data")
+    need = math.prod(shape) * dtype.itemsize
+    if not isinstance(text, str) or len(text) != 4 * math.ceil(need / 3):
+        raise InputError(f"{where}: data must be the base64 of the {need} bytes shape {shape} of {dtype.name} "
+                         f"needs ({4 * math.ceil(need / 3)} characters), got "
+                         f"{f'{len(text)} characters' if isinstance(text, str) else type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise InputError(f"{where}: data is not base64 (A-Z, a-z, 0-9, '+', '/', '=' padding): encode the "
+                         f"tensor's little-endian bytes with standard base64") from None
+    if len(raw) != need:
+        raise InputError(f"{where}: data holds {len(raw)} bytes, but shape {shape} of {dtype.name} needs {need}")
     return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(np.float32 if dtype.kind == "f" else np.int64)
 
 
@@ -88,24 +102,53 @@ def _edit_to_json(data: dict) -> dict:
 
 def edits_from_json(edits: dict | None) -> dict | None:
     """The plain form (:func:`interp_engine.wire.edits_from_replica` reads it) of JSON edits: per
-    address one edit object, or a list of them applied in order."""
+    address one edit object, or a list of them applied in order. Each edit carries the fields of
+    its kind and no other (:data:`EDIT_FIELDS`); an ``InputError`` names the one that is missing
+    or foreign."""
     if not edits:
         return None
-    return {point: [_edit_from_json(item) for item in (chain if isinstance(chain, list) else [chain])]
+    return {point: [_edit_from_json(item, f"edits[{point!r}]" + (f"[{i}]" if isinstance(chain, list) else ""))
+                    for i, item in enumerate(chain if isinstance(chain, list) else [chain])]
             for point, chain in edits.items()}
 
 
-def _edit_from_json(item: dict) -> dict:
-    data = {"kind": item["kind"], "heads": item.get("heads"), "positions": item.get("positions")}
-    if item["kind"] == "add":
-        data.update(scale=item.get("scale", 1.0), norm_relative=item.get("norm_relative", False))
-    if item["kind"] == "scale":
-        data["factor"] = item.get("factor")
-    if item["kind"] in NUMBERS:  # a directional edit: its numbers (a Cap's bounds may be null)
-        data.update({key: item.get(key) for key in NUMBERS[item["kind"]]})
+#: per edit kind: the fields it needs, and those it may carry besides (heads, positions: every kind);
+#: a directional edit needs its direction and numbers (a Cap one bound or both)
+EDIT_FIELDS = {"add": ({"vector"}, {"scale", "norm_relative"}), "scale": ({"factor"}, set()),
+               "set": ({"value"}, set()), "zero": (set(), set()),
+               **{kind: ({"direction"}, set(names)) if kind == "cap" else ({"direction", *names}, set())
+                  for kind, names in NUMBERS.items()}}
+
+
+def _edit_from_json(item: dict, where: str = "an edit") -> dict:
+    kind = item.get("kind")
+    if kind not in EDIT_FIELDS:
+        raise InputError(f"{where}: kind must be one of {', '.join(EDIT_FIELDS)}, got {shown(kind)}")
+    needed, optional = EDIT_FIELDS[kind]
+    given = {k for k, v in item.items() if v is not None} - {"kind", "heads", "positions"}
+    missing, foreign = sorted(needed - given), sorted(given - needed - optional)
+    if missing:
+        raise InputError(f"{where}: a {kind!r} edit needs {' and '.join(map(repr, missing))} (e.g. " + {
+            "add": '{"kind": "add", "vector": {"shape": [d_model], "data": "<base64>"}}',
+            "scale": '{"kind": "scale", "factor": 0.5}',
+            "set": '{"kind": "set", "value": {"shape": [d_model], "data": "<base64>"}}'}.get(
+            kind, f'{{"kind": "{kind}", "direction": {{"shape": [d_model], "data": "<base64>"}}'
+                  + "".join(f', "{n}": 1.0' for n in NUMBERS.get(kind, ())) + "}") + ")")
+    if foreign:
+        raise InputError(f"{where}: {', '.join(map(repr, foreign))} is not a field of a {kind!r} edit (it takes "
+                         f"{', '.join(sorted(needed | optional | {'heads', 'positions'}))}): send each edit's "
+                         f"own fields only")
+    data = {"kind": kind, "heads": item.get("heads"), "positions": item.get("positions")}
+    if kind == "add":
+        data.update(scale=1.0 if item.get("scale") is None else item["scale"],
+                    norm_relative=bool(item.get("norm_relative")))
+    if kind == "scale":
+        data["factor"] = item["factor"]
+    if kind in NUMBERS:  # a directional edit: its numbers (a Cap's bounds may be null)
+        data.update({key: item.get(key) for key in NUMBERS[kind]})
     for key in ("vector", "value", "direction"):
         if item.get(key) is not None:
-            data[key] = tensor_from_json(item[key])
+            data[key] = tensor_from_json(item[key], f"{where}.{key}")
             data["shape"] = list(data[key].shape)
     return data
 
@@ -127,20 +170,38 @@ def dictionary_to_json(dictionary) -> str:
 
 
 def dictionary_from_json(text: str, key: str):
-    """The :class:`~interp_engine.features.Dictionary` :func:`dictionary_to_json` wrote; a
-    ``ValueError`` unless it is well formed and its content is what ``key`` names."""
+    """The :class:`~interp_engine.features.Dictionary` :func:`dictionary_to_json` wrote; an
+    ``InputError`` naming what is wrong unless it is well formed and its content is what ``key`` names."""
     from ..wire import dictionary_from_worker
 
+    where = f"dictionaries[{shown(key)}]"
     try:
         tensors, metadata = decode_tensors(base64.b64decode(text, validate=True))
     except Exception as err:  # noqa: BLE001 - any malformed upload is the client's error
-        raise ValueError(f"dictionary {key!r} is not a base64 safetensors file: {type(err).__name__}: {err}") from None
+        raise InputError(f"{where} is not the base64 of a safetensors file ({type(err).__name__}): send "
+                         f"http_wire.dictionary_to_json(dictionary), see docs/SERVICE.md") from None
     if metadata.get("format") != DICTIONARY_FORMAT:
-        raise ValueError(f"dictionary {key!r} has format {metadata.get('format')!r}, not {DICTIONARY_FORMAT!r}")
-    dictionary = dictionary_from_worker({"key": key, "tensors": tensors, "options": json.loads(metadata["options"]),
-                                         "reads": metadata["reads"], "writes": metadata["writes"]})
+        raise InputError(f"{where} has format {shown(metadata.get('format'))}, not {DICTIONARY_FORMAT!r}")
+    missing = [k for k in ("options", "reads", "writes") if k not in metadata]
+    if missing:
+        raise InputError(f"{where}: the file's metadata lacks {', '.join(map(repr, missing))} (a dictionary "
+                         f"carries format, key, options (JSON), reads and writes; docs/SERVICE.md)")
+    try:
+        options = json.loads(metadata["options"])
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise InputError(f"{where}: its 'options' metadata must be a JSON object of the dictionary's options")
+    try:
+        dictionary = dictionary_from_worker({"key": key, "tensors": tensors, "options": options,
+                                             "reads": metadata["reads"], "writes": metadata["writes"]})
+    except InputError as err:
+        raise type(err)(f"{where}: {err}") from None
+    except (TypeError, ValueError, KeyError) as err:
+        raise InputError(f"{where} is not a dictionary this engine can build: {type(err).__name__}: "
+                         f"{str(err)[:300]}") from None
     if dictionary.key != key:
-        raise ValueError(f"the weights sent as dictionary {key!r} are another dictionary's (their content key "
+        raise InputError(f"the weights sent as dictionary {shown(key)} are another dictionary's (their content key "
                          f"differs): send each dictionary under its own key")
     return dictionary
 

@@ -1,9 +1,13 @@
-"""What one HTTP request may ask of the service, and the checks that refuse more (HTTP 413).
+"""What one HTTP request may ask of the service, what a replica holds for its clients, and the
+checks that refuse more (HTTP 413).
 
 A request over a limit is refused before any work, with a :class:`~interp_engine.errors.LimitExceeded`
-that names the limit, its value, what the request asked for and how to fit. The response size is
-bounded from the model's shapes before the capture runs (every point at every position the
-request can produce), and measured again on the result.
+that names the limit, its value, what the request asked for and how to fit. Every count is checked
+on the parsed request before anything is built from it (no array is padded, no tensor decoded,
+before its size is known to fit). The response size is bounded from the model's shapes before the
+capture runs (every point at every position the request can produce), and measured again on the
+result. A request body is received before the request takes one of the replica's capture slots,
+within a deadline that a slow sender misses (HTTP 408).
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ class Limits:
     #: bytes of dictionaries' weights one request may carry besides (sent once per replica, see
     #: docs/SERVICE.md: a 16k-feature SAE on a 4096-wide residual is 512 MiB in float32)
     max_dictionary_bytes: int = 2**30
+    #: edits (edit objects, over every address) in one request
+    max_edits: int = 256
+    #: bytes of uploaded dictionaries' weights one replica keeps (the least recently used are
+    #: dropped beyond it; a client whose dictionary was dropped is asked for it again, HTTP 409)
+    max_dictionary_memory_bytes: int = 4 * 2**30
+    #: request bodies one replica receives at once, beside the requests it runs
+    #: (``max_ongoing_requests``): a slow sender holds one of these, never a capture slot
+    max_uploads: int = 32
+    #: seconds a request body may take before it must keep up with ``min_upload_bytes_per_s``
+    upload_grace_s: int = 10
+    #: the slowest a request body may arrive once its grace is over (HTTP 408 below it)
+    min_upload_bytes_per_s: int = 2**20
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -45,16 +61,20 @@ class Limits:
         return LimitExceeded(f"the request asks for {asked}, over this service's limit {limit}="
                              f"{getattr(self, limit)}; {fix}")
 
-    def check_request(self, rows: int, width: int, points: int, new_tokens: int = 0) -> None:
+    def check_request(self, rows: int, width: int, points: int, new_tokens: int = 0, edits: int = 0) -> None:
+        """Refuse a request of ``rows`` prompts padded to ``width`` tokens, ``points`` addresses,
+        ``new_tokens`` to generate and ``edits`` edit objects, where one is over its limit."""
         if rows > self.max_prompts:
             raise self.refuse("max_prompts", f"{rows} prompts", "send fewer prompts per request")
         if rows * width > self.max_tokens:
-            raise self.refuse("max_tokens", f"{rows * width} prompt tokens ({rows} x {width})",
-                              "send fewer or shorter prompts per request")
+            raise self.refuse("max_tokens", f"{rows * width} prompt tokens ({rows} x {width}, rows padded to "
+                              f"the longest)", "send fewer or shorter prompts per request, or prompts of like length")
         if points > self.max_points:
             raise self.refuse("max_points", f"{points} points", "capture fewer points per request")
         if new_tokens > self.max_new_tokens:
             raise self.refuse("max_new_tokens", f"max_tokens={new_tokens}", "generate fewer tokens per request")
+        if edits > self.max_edits:
+            raise self.refuse("max_edits", f"{edits} edits", "send fewer edits per request")
 
     def check_response(self, nbytes: int, what: str = "the response") -> None:
         if nbytes > self.max_response_bytes:

@@ -8,8 +8,12 @@ same code as a cluster model's replica) and answers two kinds of caller:
 - HTTP clients reach it through Serve's proxy: the FastAPI routes of :mod:`.http_api`, mounted
   with ``serve.ingress``.
 
-Captures run on worker threads, several at once (``max_ongoing_requests``): the eager backend
-takes one forward at a time (its own lock), a vLLM engine batches concurrent requests itself.
+Captures run on worker threads, several at once (``max_ongoing_requests``, the replica's capture
+slots, :class:`.http_guard.Slots`): the eager backend takes one forward at a time (its own lock), a
+vLLM engine batches concurrent requests itself. An HTTP request takes its slot only once its body
+has arrived (:mod:`.http_guard`). Dictionaries clients sent are kept by content key within
+``Limits.max_dictionary_memory_bytes`` (:class:`.held.HeldDictionaries`, least recently used
+dropped first).
 A caller that goes away (a cancelled handle call, a closed HTTP connection) stops its capture at
 the next checkpoint (:mod:`interp_engine.cancel`).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import numbers
 import os
 import threading
 
@@ -26,26 +31,54 @@ from ray import serve
 from ..actors.replica import ReplicaCore, ReplicaSpec
 from ..wire import CaptureReply, GenerationReply
 from ..address import parse_address
-from ..errors import InputError
+from ..errors import AddressError, InputError, shown
 from ..points import check_points
 from ..wire import Packed
 from ..positions import width_bound
 from . import compat
+from .app import MAX_ONGOING, MAX_QUEUED
 from .identity import check as check_identity
 from .identity import identity as identity_of
+from .held import HeldDictionaries
 from .http_api import app
+from .http_guard import Slots
 from .limits import Limits, itemsize, response_bound
 
 
 class _Core(ReplicaCore):
-    """A replica core whose captures stop when the caller of the thread running them gives up."""
+    """A replica core whose captures stop when the caller of the thread running them gives up,
+    and whose dictionaries are kept within a byte bound (:attr:`held`)."""
 
     _local = threading.local()
+    held: HeldDictionaries
 
     @classmethod
     def stop_check(cls) -> bool:
         stop = getattr(cls._local, "stop", None)
         return stop is not None and stop.is_set()
+
+    def _saes(self, saes) -> list | None:
+        """The dictionaries ``saes`` names (``[(key, a Dictionary, plain data or an object ref)]``),
+        each rebuilt once and kept in :attr:`held` while it fits; a call keeps using those it was
+        given even where newer ones pushed them out."""
+        from ..features.dictionary import Dictionary
+        from ..wire import dictionary_from_replica
+
+        if not saes:
+            return None
+        out = []
+        for key, data in saes:
+            dictionary = self.held.get(key)
+            if dictionary is None:
+                if not isinstance(data, (Dictionary, dict)):  # an object ref a Ray client put
+                    import ray
+
+                    data = ray.get(data)
+                if not isinstance(data, Dictionary):
+                    data = dictionary_from_replica(data)
+                dictionary = self.held.keep(key, data)
+            out.append(dictionary)
+        return out
 
 
 @serve.ingress(app)
@@ -57,9 +90,13 @@ class CaptureReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.core = _Core(spec, 0, ray.get_runtime_context().get_node_id())
+        self.core.held = HeldDictionaries(limits.max_dictionary_memory_bytes)
         self.token_sha256 = token_sha256
         self.limits = limits
         self.service = dict(service)
+        # app.py gives Serve room for max_uploads bodies being received besides the requests that run
+        self.slots = Slots(service.get("max_ongoing_requests", MAX_ONGOING),
+                           service.get("max_queued_requests", MAX_QUEUED))
 
     @property
     def model(self):
@@ -106,30 +143,54 @@ class CaptureReplica:
         return await self._in_thread(self.core.facts)
 
     async def describe(self) -> dict:
-        """The service's own facts (name, url, model, backend, limits) and this replica's id, pid and Ray node."""
-        return {**self.service, "replica": self.replica_id, "pid": os.getpid(), "node": self.core.node}
+        """The service's own facts (name, url, model, backend, limits), this replica's id, pid and
+        Ray node, and the dictionaries it holds (``dictionaries``: count, bytes, bound, dropped)."""
+        return {**self.service, "replica": self.replica_id, "pid": os.getpid(), "node": self.core.node,
+                "dictionaries": self.core.held.stats()}
+
+    def record_routing_stats(self) -> dict:
+        """What :func:`.compat.replica_stats` reads for the status: the dictionaries held here."""
+        return {"dictionaries": self.core.held.stats()}
 
     async def run(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
-        return await self._in_thread(self.core.run, tokens, points, positions, edits, saes)
+        async with self.slots.take(bounded=False):
+            return await self._run_now(tokens, points, positions, edits, saes)
 
     async def generate(self, tokens, points, options: dict, positions=None, edits=None,
                        saes=None) -> GenerationReply:
+        async with self.slots.take(bounded=False):
+            return await self._generate_now(tokens, points, options, positions, edits, saes)
+
+    async def _run_now(self, tokens, points, positions=None, edits=None, saes=None) -> CaptureReply:
+        """:meth:`run` in a slot taken already (an HTTP request's, :mod:`.http_guard`; private, so a
+        Ray client's :meth:`checked` call cannot skip the slot)."""
+        return await self._in_thread(self.core.run, tokens, points, positions, edits, saes)
+
+    async def _generate_now(self, tokens, points, options: dict, positions=None, edits=None,
+                           saes=None) -> GenerationReply:
         return await self._in_thread(self.core.generate, tokens, points, options, positions, edits, saes)
 
-    def missing_dictionaries(self, keys: list[str]) -> list[str]:
-        """Those of ``keys`` this replica holds no dictionary for (an HTTP client then sends them)."""
-        held = self.core.__dict__.get("_dictionaries", {})
-        return [key for key in keys if key not in held]
+    def held_dictionaries(self, keys: list[str]) -> dict:
+        """``{key: Dictionary}`` of those of ``keys`` this replica holds (an HTTP client sends the others)."""
+        return {key: d for key in keys if (d := self.core.held.get(key)) is not None}
 
-    def feature_widths(self, keys: list[str], given: dict) -> dict[str, int]:
-        """``{site: d_sae}`` of the dictionaries ``keys`` (held here, or ``given`` by key)."""
-        held = {**self.core.__dict__.get("_dictionaries", {}), **given}
-        return {str(held[key].reads): held[key].d_sae for key in keys}
+    def check_dictionary_memory(self, saes: list) -> None:
+        """Refuse (413) a call whose dictionaries together could never be held here."""
+        from .held import dictionary_bytes
+
+        size = sum(dictionary_bytes(d) for d in {key: d for key, d in saes}.values())
+        if size > self.limits.max_dictionary_memory_bytes:
+            raise self.limits.refuse("max_dictionary_memory_bytes", f"dictionaries of {size} bytes",
+                                     "attach fewer or smaller dictionaries per request")
 
     async def write_shard(self, spec, index: int, texts: list[str]):
-        return await self._in_thread(self.core.write_shard, spec, index, texts)
+        async with self.slots.take(bounded=False):
+            return await self._in_thread(self.core.write_shard, spec, index, texts)
 
     async def o_proj_weight(self, layer: int) -> Packed:
+        n_layers = self.model.info.n_layers
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < n_layers:
+            raise AddressError(f"layer {shown(layer)} is out of range: this model has layers 0..{n_layers - 1}")
         return await self._in_thread(self.core.o_proj_weight, layer)
 
     async def unembed_weights(self) -> dict:
@@ -156,7 +217,7 @@ class CaptureReplica:
         held = total if positions is None else min(total, width_bound(positions, total))
         bound = response_bound([parse_address(p) for p in points], self.model.info, rows, held, total,
                                itemsize(self.model.dtype), widths or {})
-        self.limits.check_response(bound, "a response that may reach")
+        self.limits.check_response(bound, "a response of up to")
 
     async def info_json(self) -> dict:
         """What ``GET /info`` answers: :meth:`facts` and :meth:`describe` as JSON."""

@@ -11,7 +11,8 @@ DEPLOYMENT = "CaptureReplica"
 def service_status(name: str) -> dict:
     """One service: ``status`` (Serve's application status: RUNNING, DEPLOYING, DEPLOY_FAILED, ...),
     ``health`` (the deployment's: HEALTHY, UNHEALTHY, UPDATING, ...), ``replicas`` (how many in each
-    state), ``queue`` (requests each running replica holds) and ``message``."""
+    state), ``queue`` (requests each running replica holds), ``dictionaries`` (what each replica
+    holds of its clients' dictionaries: count, bytes, bound, dropped) and ``message``."""
     from ray import serve
 
     from ..errors import ServiceError
@@ -28,6 +29,7 @@ def service_status(name: str) -> dict:
             "health": None if deployment is None else str(getattr(deployment.status, "value", deployment.status)),
             "replicas": {} if deployment is None else dict(deployment.replica_states),
             "queue": queue, "queued": sum(n for n in queue.values() if n),
+            "dictionaries": {k: v and v.get("dictionaries") for k, v in compat.replica_stats(name).items()},
             "message": app.message or (deployment.message if deployment else "")}
 
 

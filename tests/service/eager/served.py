@@ -11,9 +11,11 @@ from interp_engine import Limits
 
 ROOT = Path(__file__).resolve().parents[3]
 NAME = "tiny-llama"
-#: small enough to hit in a test, large enough for the catalogue of tests/service/service_client.py
+#: small enough to hit in a test, large enough for the catalogue of tests/service/service_client.py;
+#: dictionary memory for the pair test_service_features.py attaches at once (790,528 bytes), not for
+#: two of test_hostile_http.py's larger ones (790,016 bytes each)
 LIMITS = Limits(max_prompts=8, max_tokens=512, max_points=16, max_new_tokens=32, max_response_bytes=2**20,
-                max_request_bytes=2**16)
+                max_request_bytes=2**16, max_dictionary_memory_bytes=10**6, upload_grace_s=10)
 REPLICA = dict(cpus_per_replica=0.5, torch_threads=1)
 
 

@@ -9,14 +9,9 @@ import dataclasses
 import secrets
 
 from ..errors import InputError
+from .http_guard import MAX_ONGOING, MAX_QUEUED, RETRY_AFTER_S
 from .limits import Limits
 
-#: Serve's per-replica concurrency: requests a replica runs at once (the eager backend still
-#: takes one forward at a time; a vLLM engine batches them)
-MAX_ONGOING = 8
-#: requests a caller (a proxy, a client's handle) may queue before it is answered 503 + Retry-After
-MAX_QUEUED = 64
-RETRY_AFTER_S = 1
 
 
 def application(model: str, name: str, url: str, token_sha256: str, *, backend: str = "eager", scaling: dict,

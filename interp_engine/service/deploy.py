@@ -23,7 +23,7 @@ from ..errors import InputError, ServiceError
 from .auth import new_token, token_sha256, write_token
 from .limits import Limits
 
-from .app import MAX_ONGOING, MAX_QUEUED
+from .http_guard import MAX_ONGOING, MAX_QUEUED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,11 @@ from .auth import matches
 DICTIONARIES_HEADER = b"x-interp-engine-dictionaries"
 #: the longest message an error body carries
 MESSAGE_CHARS = 2000
+#: Serve's per-replica concurrency: requests a replica runs at once (the eager backend still
+#: takes one forward at a time; a vLLM engine batches them)
+MAX_ONGOING = 8
+#: requests a caller (a proxy, a client's handle) may queue before it is answered 503 + Retry-After
+MAX_QUEUED = 64
 RETRY_AFTER_S = 1
 #: a JSON member whose value is one string of base64 (``"key": "<base64>"``): what a dictionary
 #: upload is made of; only such strings may use ``max_dictionary_bytes``

@@ -36,7 +36,7 @@ from ..points import check_points
 from ..wire import Packed
 from ..positions import width_bound
 from . import compat
-from .app import MAX_ONGOING, MAX_QUEUED
+from .http_guard import MAX_ONGOING, MAX_QUEUED
 from .identity import check as check_identity
 from .identity import identity as identity_of
 from .held import HeldDictionaries

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import re
 import tempfile
 from pathlib import Path
@@ -23,7 +24,8 @@ import numpy as np
 from ..batching import join_captured, split_with_edits
 from ..wire import unpack_dict
 from ..cache import Cache
-from ..wire import edits_for_replica
+from ..wire import edits_for_replica, edits_for_rows
+from . import fit
 from ..errors import InputError, shown
 from ..model import CaptureModel, Completion
 from ..request import Request
@@ -44,10 +46,18 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         self._replica_batched = facts.capabilities.batched
         self.dtype = facts.dtype
         self.service = facts.service
-        self.tok = Tokenizer(_tokenizer(facts.tokenizer_files))
+        #: what one request may carry (:mod:`.fit`); None where the transport has no per-request limits (Ray)
+        self.limits = fit.published(self.service) if transport.limited else None
+        self._tokenizer_files = _checked_files(facts.tokenizer_files)
         self._o_proj: dict = {}
         self._weights: str | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @functools.cached_property
+    def tok(self) -> Tokenizer:
+        """The service's tokenizer, built on first use (``to_tokens``, ``to_str_tokens``, ...): importing
+        the tokenizer library is most of a connect's time, and a client that sends token ids never needs it."""
+        return Tokenizer(_tokenizer(self._tokenizer_files))
 
     def __repr__(self) -> str:
         return f"ServiceModel({self.service['name']!r} over {self.transport.kind}, backend={self.backend!r})"
@@ -74,9 +84,27 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         return {"weights_sha256": self._weights, "model_dtype": self.dtype}
 
     # -- the calls ------------------------------------------------------------------------------
-    def _pieces(self, tokens, edits) -> list[tuple[np.ndarray, dict | None]]:
-        """The rows each call carries, with the edits cut to them (a value per row goes with its row)."""
-        return split_with_edits(tokens.numpy(), self._replica_batched, int(self.service.get("replicas", 1)), edits)
+    def _pieces(self, tokens, points, spec, edits, saes) -> list[tuple[np.ndarray, dict | None]]:
+        """The rows each call carries, with the edits cut to them (a value per row goes with its
+        row): a piece per replica, or more where the service's limits allow fewer rows a request."""
+        tokens = tokens.numpy()
+        parts = int(self.service.get("replicas", 1))
+        if self.limits is not None and self._replica_batched:
+            most = fit.rows_per_request(self.limits, self.info, self.dtype, tokens.shape[1], points, spec,
+                                        self._widths(saes), lambda k: self._body_bytes(tokens, k, points, spec,
+                                                                                        edits, saes))
+            parts = max(parts, -(-tokens.shape[0] // most))
+        elif self.limits is not None:  # a row per request: each at its own width
+            for row in set(int(n) for n in (tokens >= 0).sum(axis=1)):
+                fit.rows_per_request(self.limits, self.info, self.dtype, max(row, 1), points, spec, self._widths(saes))
+        return split_with_edits(tokens, self._replica_batched, parts, edits)
+
+    def _body_bytes(self, tokens, rows: int, points, spec, edits, saes) -> int:
+        return fit.body_size(self.transport._body(tokens[:rows], points, spec, edits_for_rows(edits, 0, rows), saes))
+
+    @staticmethod
+    def _widths(saes) -> dict[str, int]:
+        return {str(d.reads): d.d_sae for _, d in saes or ()}
 
     def _map(self, fn, pieces: list) -> list:
         if len(pieces) == 1:
@@ -101,8 +129,8 @@ class ServiceModel(FetchedUnembedding, CaptureModel):
         if request.options is not None:
             return self._completion(self.transport.generate(request.tokens.numpy(), points,
                                                             dataclasses.asdict(request.options), spec, edits, saes))
-        parts = self._map(lambda piece: self.transport.run(piece[0], points, spec, piece[1], saes),
-                          self._pieces(request.tokens, edits))
+        pieces = self._pieces(request.tokens, points, spec, edits, saes)
+        parts = self._map(lambda piece: self.transport.run(piece[0], points, spec, piece[1], saes), pieces)
         return self._cache(join_captured(parts, request.tokens.numpy(), request.positions is not None), request.tokens)
 
     async def _execute_async(self, request: Request):
@@ -204,11 +232,9 @@ MAX_TOKENIZER_FILES = 32
 MAX_TOKENIZER_BYTES = 256 * 2**20
 
 
-def _tokenizer(files: dict[str, bytes]):
-    """The tokenizer of the service's files, written to a temporary folder of this client's own
-    under names that are checked to be plain file names: a peer never chooses a path here."""
-    from transformers import AutoTokenizer
-
+def _checked_files(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The service's tokenizer files, refused unless they are few, small and named by plain file
+    names (checked at connect, before anything is written; the tokenizer is built on first use)."""
     from ..errors import UnsafeServiceAnswer
 
     if not isinstance(files, dict) or not 0 < len(files) <= MAX_TOKENIZER_FILES:
@@ -224,6 +250,17 @@ def _tokenizer(files: dict[str, bytes]):
             raise UnsafeServiceAnswer(f"the service sent tokenizer file {name!r} as {type(data).__name__}: refused")
     if sum(len(data) for data in files.values()) > MAX_TOKENIZER_BYTES:
         raise UnsafeServiceAnswer(f"the service sent over {MAX_TOKENIZER_BYTES} bytes of tokenizer files: refused")
+    return files
+
+
+def _tokenizer(files: dict[str, bytes]):
+    """The tokenizer of the service's files, written to a temporary folder of this client's own
+    under names that are checked to be plain file names: a peer never chooses a path here."""
+    from transformers import AutoTokenizer
+
+    from ..errors import UnsafeServiceAnswer
+
+    _checked_files(files)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp).resolve()
         for name, data in files.items():

@@ -27,6 +27,8 @@ class RayTransport:
     replica's ``checked`` with the identity this client connected to."""
 
     kind = "ray"
+    #: a Ray call is held to no per-request limits (those guard the HTTP API)
+    limited = False
 
     def __init__(self, name: str, retry_timeout: float = RETRY_TIMEOUT_S, timeout: float = 600.0):
         from ray import serve

@@ -86,6 +86,8 @@ class HttpTransport:
     """The HTTP API of :mod:`.http_api` with ``http.client`` (one kept-alive connection per thread)."""
 
     kind = "http"
+    #: every request is held to the limits the service publishes (:mod:`.fit`)
+    limited = True
 
     def __init__(self, url: str, token: str, timeout: float = 600.0, retry_timeout: float = RETRY_TIMEOUT_S):
         parts = urllib.parse.urlsplit(url)

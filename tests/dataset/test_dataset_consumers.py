@@ -96,6 +96,8 @@ def test_duckdb_reads_fixed_size_arrays(datasets_built, name, column):
     want = _ours(ds, column)[_order(ds)]
     got = torch.tensor([r[0] for r in rows], dtype=torch.float64)  # DuckDB widens float16 to FLOAT
     assert got.shape == want.shape and torch.equal(got.to(want.dtype), want)
+    described = dict((r[0], r[1]) for r in duckdb.sql(f"DESCRIBE SELECT * FROM read_parquet('{ds.path}/*.parquet')").fetchall())
+    assert described[column].endswith("[]" * (want.dim() - 1)), described[column]  # docs/CLUSTER.md: lists, not FLOAT[4][64]
 
 
 @pytest.mark.parametrize("name,column", CASES)

@@ -35,7 +35,7 @@ def run(config: BuildConfig):
         return build_dataset(model, config.prompts, config.points, config.output, layout=config.layout,
                              dtype=config.storage_dtype, shard_size=config.shard_size, overwrite=config.overwrite,
                              text_key=config.text_key, progress=config.progress, shuffle=config.shuffle,
-                             seed=config.seed)
+                             seed=config.seed, saes=[sae.load() for sae in config.saes] or None)
     finally:
         model.close()
 

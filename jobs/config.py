@@ -10,6 +10,8 @@ A YAML or JSON file such as::
     output: /data/acts/smollm2-l10  # or s3://bucket/prefix (AWS_* credentials); relative: the working dir
     layout: token                   # or sequence
     storage_dtype: bfloat16
+    saes: [sae/l10]                 # dictionaries (SAELens folders; or {path:, reads:, k:, ...});
+                                    # points: may then name resid_post.10.features
 
 Every problem is reported at once, each with the field it is in. The file itself is read
 strictly: UTF-8, at most 1 MiB, YAML through a safe loader (no tags that build Python objects)
@@ -39,6 +41,27 @@ def _point(text: str) -> str:
 Point = Annotated[str, AfterValidator(_point)]
 
 
+class SaeConfig(BaseModel):
+    """One dictionary of ``saes:``: its ``path`` (a SAELens folder or a Gemma Scope ``params.npz``;
+    relative: beside the config) and the options of :func:`interp_engine.load_dictionary`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    reads: Point | None = None
+    writes: Point | None = None
+    activation: Literal["relu", "jumprelu", "topk"] | None = None
+    k: int | None = Field(None, ge=1)
+    norm_scaling_factor: float | None = Field(None, allow_inf_nan=False)
+    apply_b_dec_to_input: bool | None = None
+    name: str | None = None
+
+    def load(self):
+        from interp_engine import load_dictionary
+
+        return load_dictionary(self.path, **self.model_dump(exclude={"path"}, exclude_none=True))
+
+
 class BuildConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -65,6 +88,12 @@ class BuildConfig(BaseModel):
     seed: int = Field(0, ge=0, lt=1 << 64)
     overwrite: bool = False
     progress: bool = True
+    saes: list[SaeConfig] = Field(default_factory=list, description="dictionaries whose feature points points: may name")
+
+    @field_validator("saes", mode="before")
+    @classmethod
+    def _sae_paths(cls, saes):
+        return [{"path": sae} if isinstance(sae, str) else sae for sae in saes] if isinstance(saes, list) else saes
 
     @field_validator("prompts")
     @classmethod
@@ -95,6 +124,8 @@ def load_config(source: str | Path | dict, schema: type[BaseModel] = BuildConfig
             raise ConfigError(f"{label}: expected a mapping of fields (model:, points:, ...), got {type(data).__name__}")
         if isinstance(data.get("prompts"), str) and not Path(data["prompts"]).expanduser().is_absolute():
             data["prompts"] = str(path.parent / data["prompts"])  # read beside the config, wherever it runs
+        if isinstance(data.get("saes"), list):
+            data["saes"] = [_beside(path, sae) for sae in data["saes"]]
         source = data
     try:
         return schema.model_validate(source)
@@ -103,6 +134,14 @@ def load_config(source: str | Path | dict, schema: type[BaseModel] = BuildConfig
                  + (f" (got {e['input']!r:.80})" if _show(e) else "")
                  for e in err.errors()]
         raise ConfigError(f"{label}: {len(lines)} problem(s):\n" + "\n".join(lines)) from None
+
+
+def _beside(config: Path, sae):
+    """A ``saes:`` entry with a relative path made relative to the config's folder."""
+    entry = {"path": sae} if isinstance(sae, str) else sae
+    if isinstance(entry, dict) and isinstance(entry.get("path"), str) and not Path(entry["path"]).expanduser().is_absolute():
+        return {**entry, "path": str(config.parent / entry["path"])}
+    return sae
 
 
 _MAX_BYTES = 1 << 20  # a config is a page of settings; prompts belong in their own file

@@ -30,6 +30,8 @@ def run(config: BuildConfig):
     from interp_engine import load_model
     from interp_engine.dataset.build import build_dataset
 
+    print(f"loading {config.model} ({config.backend}, {config.replicas} replica(s)); the build's progress "
+          f"follows", file=sys.stderr, flush=True)
     model = load_model(config.model, **config.load_options())
     try:
         return build_dataset(model, config.prompts, config.points, config.output, layout=config.layout,

@@ -7,7 +7,7 @@ A YAML or JSON file such as::
     replicas: 2
     prompts: prompts.jsonl          # or a list of strings; a relative path is read beside this file
     points: [resid_post.10, mlp_out.10]
-    output: /data/acts/smollm2-l10  # or s3://bucket/prefix (AWS_* credentials); relative: the working dir
+    output: ~/acts/smollm2-l10      # or s3://bucket/prefix (AWS_* credentials); relative: the working dir
     layout: token                   # or sequence
     storage_dtype: bfloat16
     saes: [sae/l10]                 # dictionaries (SAELens folders; or {path:, reads:, k:, ...});
@@ -94,6 +94,12 @@ class BuildConfig(BaseModel):
     @classmethod
     def _sae_paths(cls, saes):
         return [{"path": sae} if isinstance(sae, str) else sae for sae in saes] if isinstance(saes, list) else saes
+
+    @field_validator("output")
+    @classmethod
+    def _own_output(cls, output):
+        """``~`` is this user's home (a per-user path: ``~/datasets/...``); a URI is kept as given."""
+        return output if "://" in output else str(Path(output).expanduser())
 
     @field_validator("prompts")
     @classmethod

@@ -28,7 +28,7 @@ from .docs_blocks import ROOT, STANDINS, Block
 ALL = [b for doc in docs_blocks.DOCUMENTS for b in docs_blocks.blocks(doc)]
 PYTHON = [group for doc in docs_blocks.DOCUMENTS for group in docs_blocks.python_groups(docs_blocks.blocks(doc))]
 BASH = [b for b in ALL if b.lang in ("bash", "sh", "shell")]
-EXAMPLE_OUTPUT = Path("/tmp/interp_engine-examples/smollm2-l15")  # jobs/examples/build.yaml
+EXAMPLE_OUTPUT = Path("~/interp_engine-examples/smollm2-l15").expanduser()  # jobs/examples/build.yaml
 TIMEOUT = 600
 
 DRIVER = """

@@ -33,3 +33,14 @@ def test_config_saes_reach_the_build(tmp_path, tiny_path, eager_models, monkeypa
                          progress=False)
     assert built.to_arrow().equals(want.to_arrow())
     assert any("features" in name for name in built.to_arrow().column_names), built.to_arrow().column_names
+
+
+def test_the_example_job_shows_progress_and_writes_under_the_users_home():
+    from pathlib import Path
+
+    from .. import docs_blocks
+
+    config = load_config(docs_blocks.ROOT / "jobs/examples/build.yaml")
+    assert config.progress is True
+    assert Path(config.output).is_relative_to(Path.home()), config.output
+    assert load_config({"prompts": ["a"], "points": ["resid_post.1"], "output": "s3://b/~x"}).output == "s3://b/~x"

@@ -135,7 +135,8 @@ def _status(args) -> int:
     for row in rows:
         replicas = ", ".join(f"{n} {state.lower()}" for state, n in sorted(row["replicas"].items())) or "none"
         queue = " ".join(f"{n if n is not None else '?'}" for _, n in sorted(row["queue"].items()))
-        print(f"{row['name']}: {row['status']} ({row['health']}), replicas: {replicas}; queued per replica: "
+        served = f"{row['url']}, model {row['model']} ({row['backend']}), " if row.get("url") else ""
+        print(f"{row['name']}: {row['status']} ({row['health']}), {served}replicas: {replicas}; queued per replica: "
               f"{queue or '-'}{'; ' + row['message'] if row['message'] else ''}")
     return 0
 

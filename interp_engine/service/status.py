@@ -12,7 +12,9 @@ def service_status(name: str) -> dict:
     """One service: ``status`` (Serve's application status: RUNNING, DEPLOYING, DEPLOY_FAILED, ...),
     ``health`` (the deployment's: HEALTHY, UNHEALTHY, UPDATING, ...), ``replicas`` (how many in each
     state), ``queue`` (requests each running replica holds), ``dictionaries`` (what each replica
-    holds of its clients' dictionaries: count, bytes, bound, dropped) and ``message``."""
+    holds of its clients' dictionaries: count, bytes, bound, dropped), ``message``, and the
+    service's ``url``, ``model`` and ``backend`` (as a running replica describes them; None while
+    none answers)."""
     from ray import serve
 
     from ..errors import ServiceError
@@ -25,12 +27,25 @@ def service_status(name: str) -> dict:
     deployments = list(app.deployments.values())
     deployment = deployments[0] if deployments else None
     queue = compat.ongoing_requests(name)
-    return {"name": name, "status": str(app.status.value if hasattr(app.status, "value") else app.status),
+    facts = _facts(name) if app.status == "RUNNING" or getattr(app.status, "value", None) == "RUNNING" else {}
+    return {"name": name, **{key: facts.get(key) for key in ("url", "model", "backend")},
+            "status": str(app.status.value if hasattr(app.status, "value") else app.status),
             "health": None if deployment is None else str(getattr(deployment.status, "value", deployment.status)),
             "replicas": {} if deployment is None else dict(deployment.replica_states),
             "queue": queue, "queued": sum(n for n in queue.values() if n),
             "dictionaries": {k: v and v.get("dictionaries") for k, v in compat.replica_stats(name).items()},
             "message": app.message or (deployment.message if deployment else "")}
+
+
+def _facts(name: str, timeout_s: float = 5.0) -> dict:
+    """The service's own facts (url, model, backend, ...) as one of its replicas describes them;
+    empty when none answers within ``timeout_s`` (a status never waits long on a busy service)."""
+    from ray import serve
+
+    try:
+        return serve.get_app_handle(name).describe.remote().result(timeout_s=timeout_s)
+    except Exception:  # noqa: BLE001 - a status shows what it can; the replicas' states say why
+        return {}
 
 
 def all_status() -> list[dict]:

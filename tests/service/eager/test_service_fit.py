@@ -12,7 +12,7 @@ from interp_engine import LimitExceeded, build_dataset, connect, run_with_cache
 
 from ...oracles import assert_near, torch_threads
 from .. import service_client
-from .served import LIMITS, REPLICA
+from .served import LIMITS, NAME, REPLICA
 
 ray = pytest.importorskip("ray")
 
@@ -47,3 +47,13 @@ def test_what_no_cut_fits_is_refused_before_sending_naming_the_argument(service)
     assert model.transport.resent == 0
     last = run_with_cache(model, tokens, ["pattern.0", "pattern.1"], positions=-1)  # the fix the message names
     assert last["pattern.0"].shape == (1, 4, 1, 200)
+
+
+def test_interp_engine_status_shows_url_model_backend_and_replicas(service, tiny_path, capsys):
+    import argparse
+
+    from interp_engine.service.cli import _status
+
+    assert _status(argparse.Namespace(name=NAME, json=False)) == 0
+    line = capsys.readouterr().out
+    assert f"{service.url}, model {tiny_path('llama')} (eager), replicas: 2 running" in line, line

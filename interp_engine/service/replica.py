@@ -13,7 +13,7 @@ slots, :class:`.http_guard.Slots`): the eager backend takes one forward at a tim
 vLLM engine batches concurrent requests itself. An HTTP request takes its slot only once its body
 has arrived (:mod:`.http_guard`). Dictionaries clients sent are kept by content key within
 ``Limits.max_dictionary_memory_bytes`` (:class:`.held.HeldDictionaries`, least recently used
-dropped first).
+dropped first; a vLLM engine's workers drop their copy once no call in flight uses it).
 A caller that goes away (a cancelled handle call, a closed HTTP connection) stops its capture at
 the next checkpoint (:mod:`interp_engine.cancel`).
 """
@@ -66,6 +66,11 @@ class _Core(ReplicaCore):
 
         if not saes:
             return None
+        pinned = getattr(self._local, "pinned", None)  # released when the call's thread is done
+        if pinned is not None:
+            keys = [key for key, _ in saes]
+            self.held.pin(keys)
+            pinned.extend(keys)
         out = []
         for key, data in saes:
             dictionary = self.held.get(key)
@@ -80,6 +85,13 @@ class _Core(ReplicaCore):
             out.append(dictionary)
         return out
 
+    def drop_dictionary(self, key: str) -> None:
+        """A dictionary :attr:`held` dropped, and no call in flight uses: the model drops its own
+        copy too (a vLLM engine's workers keep one on the device)."""
+        drop = getattr(self.model, "drop_dictionary", None)
+        if drop is not None:
+            drop(key)
+
 
 @serve.ingress(app)
 class CaptureReplica:
@@ -90,7 +102,7 @@ class CaptureReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.core = _Core(spec, 0, ray.get_runtime_context().get_node_id())
-        self.core.held = HeldDictionaries(limits.max_dictionary_memory_bytes)
+        self.core.held = HeldDictionaries(limits.max_dictionary_memory_bytes, on_drop=self.core.drop_dictionary)
         self.token_sha256 = token_sha256
         self.limits = limits
         self.service = dict(service)
@@ -108,10 +120,13 @@ class CaptureReplica:
 
         def watched():
             _Core._local.stop = stop
+            _Core._local.pinned = pinned = []  # the dictionaries this call uses (:meth:`_Core._saes`)
             try:
                 return fn(*args)
             finally:
-                _Core._local.stop = None
+                _Core._local.stop = _Core._local.pinned = None
+                if pinned:
+                    self.core.held.unpin(pinned)
 
         try:
             return await asyncio.to_thread(watched)

@@ -183,3 +183,39 @@ def test_a_dashboard_on_vllm_equals_eager(models, tmp_path):
     assert bool((differ <= ties).all()), f"firing counts differ away from ties: {differ[differ > ties]}"
     assert_near(torch.tensor(got["max_activation"].to_numpy()), torch.tensor(want["max_activation"].to_numpy()),
                 "dashboard maxima", REL)
+
+
+def test_dictionaries_a_replica_drops_leave_the_workers(models, tokens):
+    """A service replica's bound (:class:`HeldDictionaries`) holds on the workers too: each
+    dictionary it drops, the workers drop once no call uses it; one used again is sent again."""
+    from interp_engine.service.held import HeldDictionaries, dictionary_bytes
+
+    vllm_model, eager = models
+    saes = [sd.sae(seed=100 + i) for i in range(5)]
+    held = HeldDictionaries(2 * dictionary_bytes(saes[0]), on_drop=vllm_model.drop_dictionary)
+    before = engine_state(vllm_model)[0]  # what the module's other tests left there
+
+    def on_workers() -> tuple[int, int]:
+        state = engine_state(vllm_model)[0]
+        return state["dictionaries"] - before["dictionaries"], state["dictionary_bytes"] - before["dictionary_bytes"]
+
+    def call(sae, point="resid_post.1.features"):  # as a replica's call: pinned while it runs
+        held.pin([sae.key])
+        try:
+            return run_with_cache(vllm_model, tokens, [point], saes=held.get(sae.key) or held.keep(sae.key, sae))
+        finally:
+            held.unpin([sae.key])
+
+    for sae in saes:
+        call(sae)
+        assert on_workers() == (held.stats()["held"], held.nbytes) and held.nbytes <= held.limit
+    assert held.stats()["dropped"] == 3
+    held.pin([saes[3].key])  # a call in flight keeps its dictionary on the workers past the bound
+    call(saes[0])
+    assert saes[3].key not in held.keys() and on_workers()[0] == 3
+    held.unpin([saes[3].key])
+    assert on_workers() == (2, held.nbytes)
+    got = call(saes[1], "resid_post.1.features")  # dropped before: sent again
+    want = run_with_cache(eager, tokens, ["resid_post.1.features"], saes=saes[1])
+    assert_near(got["resid_post.1.features"], want["resid_post.1.features"], "a dictionary sent again", REL)
+    assert on_workers() == (2, held.nbytes)

@@ -26,6 +26,7 @@ once, as a dataset build does.
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
 
 import torch
@@ -102,6 +103,9 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         self._weights: dict[int, torch.Tensor] = {}
         #: content keys of the dictionaries every worker holds (each is sent once)
         self._dictionaries: set[str] = set()
+        #: held from a request's dictionaries being sent to its submission, and by a drop: a drop
+        #: then reaches the workers before or after the request is registered there, never between
+        self._dictionary_lock = threading.Lock()
         from . import compat as vllm_compat
 
         self._loop = EngineLoop(llm.llm_engine, vllm_compat.wrap_block_hasher(llm, OwnBlocks))
@@ -192,13 +196,14 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         wire = sorted({str(self._read_as(a)) for a in addresses})
         sites = features.sites() if features is not None else []
         layers = self._depth(addresses + sites, edits) if options is None and self.shortens else None
-        request = WorkerRequest(
-            tuple(wire), None if positions is None else tuple(positions.rows[0]),
-            None if positions is None else positions.after[0],
-            {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None,
-            self._features_for_worker(features) if features is not None else None)
-        job = Job(tokens[0].tolist(), _sampling_params(options), request, layers, first_needed(request))
-        return self._loop.submit(job)
+        with self._dictionary_lock:
+            request = WorkerRequest(
+                tuple(wire), None if positions is None else tuple(positions.rows[0]),
+                None if positions is None else positions.after[0],
+                {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None,
+                self._features_for_worker(features) if features is not None else None)
+            job = Job(tokens[0].tolist(), _sampling_params(options), request, layers, first_needed(request))
+            return self._loop.submit(job)
 
     def _check_sharded_edits(self, edits) -> None:
         """Under tensor parallelism a column-sharded site (``mlp_post``) is split over ranks, so a
@@ -212,7 +217,8 @@ class VllmModel(FetchedUnembedding, CaptureModel):
 
     def _features_for_worker(self, plan) -> list[dict]:
         """The request's dictionary work as the workers take it; each dictionary is sent to every
-        worker the first time a request uses it (it stays there under its content key)."""
+        worker the first time a request uses it (it stays there under its content key until
+        :meth:`drop_dictionary`)."""
         for attached in plan.attached:
             d = attached.dictionary
             if self.tensor_parallel_size > 1:
@@ -226,6 +232,14 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 run_on_loop(self._loop, "interp_add_dictionary", dictionary_for_worker(d))
                 self._dictionaries.add(d.key)
         return features_for_worker(plan)
+
+    def drop_dictionary(self, key: str) -> None:
+        """Have every worker forget the dictionary kept under content key ``key`` (a request that
+        uses it and is submitted already runs to its end; a later one sends it again)."""
+        with self._dictionary_lock:
+            if key in self._dictionaries:
+                self._dictionaries.discard(key)
+                run_on_loop(self._loop, "interp_drop_dictionary", key)
 
     def _depth(self, addresses: list[Address], edits: dict | None) -> int | None:
         """The layers a prefill reading ``addresses`` (and editing ``edits``) needs: up to its

@@ -68,6 +68,10 @@ class CaptureExtension:
         worker's device under its content key, for the requests that will name it."""
         self._interp_recorder().features.add_dictionary(data)
 
+    def interp_drop_dictionary(self, key: str) -> None:
+        """Forget the dictionary kept under ``key`` (a request registered with it runs to its end)."""
+        self._interp_recorder().features.drop_dictionary(key)
+
     def interp_take(self, request_ids: list[str]) -> dict:
         return self._interp_recorder().take(request_ids)
 
@@ -78,13 +82,16 @@ class CaptureExtension:
         """What this worker holds: registered requests not taken yet, hooks installed now (an
         idle engine has none), the most registered requests seen in one forward, the bytes of
         every row handed back to the driver so far, and the KV cache blocks the guard zeroed
-        (None: no guard), and how many layers the next forward runs."""
+        (None: no guard), how many layers the next forward runs, and the dictionaries kept here
+        (count and bytes of their tensors)."""
         recorder = self._interp_recorder()
         return {"pending": sorted(recorder.requests.wanted), "hooks": recorder.hooks_installed,
                 "edited": sorted(recorder.editor.edits),
                 "max_batch": recorder.requests.max_batch,
                 "bytes_returned": recorder.bytes_returned + recorder.features.bytes_returned,
                 "kv_blocks_zeroed": getattr(getattr(self, "_interp_kv_guard", None), "zeroed", None),
+                "dictionaries": len(recorder.features.dictionaries),
+                "dictionary_bytes": recorder.features.dictionary_bytes(),
                 "layers_run": (vllm_compat.layer_range(recorder.stack) or (0, len(recorder.layers)))[1]}
 
     def interp_unreadable_sites(self) -> list[str]:

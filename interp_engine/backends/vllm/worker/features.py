@@ -2,7 +2,7 @@
 the flat batch, in the hook that produces them; only the active features leave the worker.
 
 A dictionary reaches the worker once (``interp_add_dictionary``: its tensors, kept on the
-worker's device under its content key); a request names the dictionaries it uses and what it
+worker's device under its content key, until ``interp_drop_dictionary``); a request names the dictionaries it uses and what it
 asks of each (:func:`interp_engine.wire.features_for_worker`). In each forward, at each site a
 registered request's dictionary reads or writes, the request's rows ``[s, e)`` (contiguous
 positions from ``positions[s]``: a prefill or a decode step) run through the same per-dictionary
@@ -23,6 +23,7 @@ keeps the records.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -54,6 +55,16 @@ class FeatureBook:
     def add_dictionary(self, data: dict) -> None:
         if data["key"] not in self.dictionaries:
             self.dictionaries[data["key"]] = dictionary_from_worker(data).to(self.device)
+
+    def drop_dictionary(self, key: str) -> None:
+        """Forget the dictionary kept under ``key`` (requests registered with it keep their steps'
+        reference until they finish)."""
+        self.dictionaries.pop(key, None)
+
+    def dictionary_bytes(self) -> int:
+        """Bytes of the dictionaries' tensors kept here."""
+        tensors = [getattr(d, f.name) for d in self.dictionaries.values() for f in dataclasses.fields(d)]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def register(self, rid: str, request: WorkerRequest) -> None:
         if not request.features:

@@ -61,6 +61,12 @@ class Placed:
                 self._held.popitem(last=False)
         return held
 
+    def drop(self, key: str) -> None:
+        """Forget the copies of the dictionary with content key ``key`` (a call using one keeps it)."""
+        with self._lock:
+            for held in [k for k in self._held if k[0] == key]:
+                del self._held[held]
+
 
 class DictionaryStep:
     """One attached dictionary during one call: its tensors on the device, and what its read

@@ -270,3 +270,17 @@ def test_a_dictionary_that_reconstructs_exactly_recovers_all_the_loss(model):
     # the random model's loss moves little even when ablated (ablated - clean ~ 1e-3), so the ratio
     # carries the splice's float rounding amplified: 1 within 1e-2
     assert got.ablated != got.clean and abs(got.recovered - 1.0) < 1e-2
+
+
+def test_a_dropped_dictionary_leaves_the_eager_models_device_copies(model):
+    """``drop_dictionary`` (a service replica calls it for each dictionary it drops) forgets the
+    device copies an eager model keeps between calls; the next call places it again."""
+    a, b = sd.sae(seed=1), sd.sae(seed=2)
+    placed = model._dictionaries
+    meta = torch.device("meta")  # a device other than the dictionaries': copies are kept
+    first = placed(a, meta)
+    assert placed(a, meta) is first and placed(b, meta).device == meta
+    model.drop_dictionary(a.key)
+    assert [key for key, _ in placed._held] == [b.key]
+    assert placed(a, meta) is not first
+    model.drop_dictionary(a.key), model.drop_dictionary(b.key)

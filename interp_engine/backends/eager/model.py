@@ -88,6 +88,10 @@ class EagerModel(CaptureModel):
         wrapped = attention.EAGER if softcapped or attention.implementation(self.hf) == "eager" else attention.SDPA
         attention.set_implementation(self.hf, wrapped)
 
+    def drop_dictionary(self, key: str) -> None:
+        """Forget this model's device copy of the dictionary with content key ``key``."""
+        self._dictionaries.drop(key)
+
     def _repr_extras(self) -> list[str]:
         return [str(self.device)] + (["requires_grad"] if self.requires_grad else [])
 

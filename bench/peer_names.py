@@ -40,17 +40,6 @@ class Context:
     address: str
 
 
-def _layer_twin(name: str) -> Callable[[Context], object]:
-    """The peer tensor at the same layer under ``name``."""
-    return lambda ctx: ctx.peer.get(name + ctx.address[ctx.address.index("."):])
-
-
-def _differs(a, b) -> bool:
-    from interp_engine import relative_error
-
-    return a is not None and b is not None and relative_error(a, b) > TOLERANCE
-
-
 def _softcapped(ctx: Context):
     cap = ctx.config["final_logit_softcapping"]
     return cap * (ctx.peer[ctx.address] / cap).tanh()
@@ -73,16 +62,6 @@ class Deliberate:
 #: The known definitional differences (DESIGN.md §9, issue 37). A listed difference that stops
 #: differing fails the run as STALE, so this table cannot outlive the code it describes.
 DELIBERATE = (
-    Deliberate("attn_out", "attn_out",
-               "the peer's attn_out is the attention block's raw output; ours is what the block adds to the "
-               "residual, after the post-attention norm (sandwich-norm families)",
-               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("attn_out_post")(ctx)),
-               ours_is=_layer_twin("attn_out_post"), ours_is_called="the peer's attn_out_post"),
-    Deliberate("mlp_out", "mlp_out",
-               "the peer's mlp_out is the MLP block's raw output; ours is what the block adds to the residual, "
-               "after the post-feedforward norm (sandwich-norm families)",
-               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("mlp_out_post")(ctx)),
-               ours_is=_layer_twin("mlp_out_post"), ours_is_called="the peer's mlp_out_post"),
     Deliberate("lm_head", "logits",
                "the peer's lm_head is the unembedding's output before the final logit softcap; our logits are "
                "the model's output, after it",

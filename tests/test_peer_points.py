@@ -44,8 +44,10 @@ def test_the_peer_names_map_onto_ours():
     assert names.our_addresses("z.3", sites) == [("z", 3)]
     assert names.our_addresses("attn_in.1", sites) == []
     assert names.our_addresses("attn_in.1", sites | {"attn_in"}) == [("attn_in", 1)]  # a name we gain is compared
-    # a name we serve ourselves first, then its alias too
-    assert names.our_addresses("embeddings", sites | {"embeddings"}) == [("embeddings", None), ("resid_pre", 0)]
+    # a name the model serves is compared under that name only; its alias only where the model lacks it
+    assert names.our_addresses("embeddings", sites | {"embeddings"}) == [("embeddings", None)]
+    assert names.our_addresses("embeddings", sites | {"embeddings"}, served=sites) == [("embeddings", None),
+                                                                                       ("resid_pre", 0)]
 
 
 def test_every_alias_and_rule_names_a_real_site():
@@ -112,3 +114,11 @@ def test_the_command_line(tmp_path):
     assert done.returncode == 0 and "--peer-venv" in done.stdout, done.stderr
     with pytest.raises(SystemExit, match="inside this checkout"):
         pp.ensure_peer_venv(pp.ROOT / "peer-venv")
+
+
+def test_a_shape_mismatch_is_excused_only_where_a_rule_applies():
+    ours, peer = torch.randn(2, 21, 128), torch.randn(168, 32)  # the peer's Qwen4-Exp final_norm: a gated norm
+    qwen4 = _ctx({"final_norm": peer}, "final_norm", model_type="qwen4_exp_text")
+    assert names.judge("final_norm", "final_norm", ours, peer, qwen4)[0] == "deliberate"
+    llama = _ctx({"final_norm": peer}, "final_norm", model_type="llama")
+    assert names.judge("final_norm", "final_norm", ours, peer, llama)[0] == "SHAPE"

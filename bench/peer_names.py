@@ -18,7 +18,7 @@ TOLERANCE = 1e-5
 #: the peer's name -> our other name for the same or the closest tensor (a deliberate difference
 #: says where they differ); a name of ours with a layer (``resid_pre.0``) stands for a model-level
 #: point of the peer's. A peer point is compared with ours under its own name where we serve it,
-#: and under this one too
+#: and under this one only where the model does not serve the own name
 ALIASES = {
     "attn_probs": "pattern",
     "mlp_act": "mlp_post",
@@ -38,17 +38,6 @@ class Context:
     config: dict
     peer: dict
     address: str
-
-
-def _layer_twin(name: str) -> Callable[[Context], object]:
-    """The peer tensor at the same layer under ``name``."""
-    return lambda ctx: ctx.peer.get(name + ctx.address[ctx.address.index("."):])
-
-
-def _differs(a, b) -> bool:
-    from interp_engine import relative_error
-
-    return a is not None and b is not None and relative_error(a, b) > TOLERANCE
 
 
 def _softcapped(ctx: Context):
@@ -73,16 +62,6 @@ class Deliberate:
 #: The known definitional differences (DESIGN.md §9, issue 37). A listed difference that stops
 #: differing fails the run as STALE, so this table cannot outlive the code it describes.
 DELIBERATE = (
-    Deliberate("attn_out", "attn_out",
-               "the peer's attn_out is the attention block's raw output; ours is what the block adds to the "
-               "residual, after the post-attention norm (sandwich-norm families)",
-               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("attn_out_post")(ctx)),
-               ours_is=_layer_twin("attn_out_post"), ours_is_called="the peer's attn_out_post"),
-    Deliberate("mlp_out", "mlp_out",
-               "the peer's mlp_out is the MLP block's raw output; ours is what the block adds to the residual, "
-               "after the post-feedforward norm (sandwich-norm families)",
-               applies=lambda ctx: _differs(ctx.peer[ctx.address], _layer_twin("mlp_out_post")(ctx)),
-               ours_is=_layer_twin("mlp_out_post"), ours_is_called="the peer's mlp_out_post"),
     Deliberate("lm_head", "logits",
                "the peer's lm_head is the unembedding's output before the final logit softcap; our logits are "
                "the model's output, after it",
@@ -92,6 +71,11 @@ DELIBERATE = (
                "the peer's embeddings is the token embedding alone; our resid_pre.0 is the residual entering "
                "layer 0, with the learned position embeddings added",
                applies=lambda ctx: ctx.config.get("model_type") == "gpt2"),
+    Deliberate("final_norm", "final_norm",
+               "the peer's final_norm on Qwen4-Exp is the first module named norm under the trunk, layer 0's "
+               "linear-attention gated norm ([b·p·heads, d_head]); ours is the model's final norm, its "
+               "hyper_connection_mixer, whose output lm_head reads",
+               applies=lambda ctx: ctx.config.get("model_type") == "qwen4_exp_text"),
     Deliberate("q_norm_out", "q",
                "the peer's q_norm_out is the query after its qk-norm and before rotary; our q is after rotary "
                "(the query the scores are taken from)", applies=lambda ctx: True),
@@ -102,12 +86,14 @@ DELIBERATE = (
 DELIBERATE_BY_PAIR = {(d.name, d.ours): d for d in DELIBERATE}
 
 
-def our_addresses(peer_address: str, our_sites) -> list[tuple[str, int | None]]:
+def our_addresses(peer_address: str, our_sites, served=None) -> list[tuple[str, int | None]]:
     """Our (site, layer) pairs to compare a peer address with: its own name where we have it, then
-    its alias where we have that; empty when we have neither."""
+    its alias where we have that and the model does not serve the own name (``served``: the site
+    names the model serves; all of ``our_sites`` where not given); empty when we have neither."""
     name, _, layer = peer_address.partition(".")
     out = []
-    for candidate in (name, ALIASES.get(name, "")):
+    own_served = name in (our_sites if served is None else served)
+    for candidate in (name, "" if own_served else ALIASES.get(name, "")):
         ours, _, fixed = candidate.partition(".")
         if ours in our_sites:
             at = fixed or layer
@@ -133,11 +119,14 @@ def judge(peer_address: str, our_site: str, ours, want, ctx: Context) -> tuple[s
     """(outcome, relative error, note) for one peer address against ours (at ``our_site``)."""
     from interp_engine import relative_error
 
+    rule = DELIBERATE_BY_PAIR.get((peer_address.partition(".")[0], our_site))
     got = fit(ours, want.shape)
     if got is None:
-        return "SHAPE", float("inf"), f"ours {tuple(ours.shape)}, the peer's {tuple(want.shape)}"
+        shapes = f"ours {tuple(ours.shape)}, the peer's {tuple(want.shape)}"
+        if rule is not None and rule.applies(ctx):
+            return "deliberate", float("inf"), f"{rule.why} ({shapes})"
+        return "SHAPE", float("inf"), shapes
     error = relative_error(got, want)
-    rule = DELIBERATE_BY_PAIR.get((peer_address.partition(".")[0], our_site))
     if rule is None or not rule.applies(ctx):
         return ("agrees" if error <= TOLERANCE else "DIFFERS"), error, ""
     if error <= TOLERANCE:

@@ -172,7 +172,7 @@ def compare_family(family: str, folder: Path, tokens, peer: dict, peer_refused: 
     wanted, rows = {}, {}
     for address in peer:
         name = address.partition(".")[0]
-        mapped = our_addresses(address, SITES)
+        mapped = our_addresses(address, SITES, {a.name for a in served})
         if not mapped:
             rows.setdefault((name, ""), Row(family, name, "", "not served by us", note="no such name here"))
         for site, layer in mapped:

@@ -44,8 +44,10 @@ def test_the_peer_names_map_onto_ours():
     assert names.our_addresses("z.3", sites) == [("z", 3)]
     assert names.our_addresses("attn_in.1", sites) == []
     assert names.our_addresses("attn_in.1", sites | {"attn_in"}) == [("attn_in", 1)]  # a name we gain is compared
-    # a name we serve ourselves first, then its alias too
-    assert names.our_addresses("embeddings", sites | {"embeddings"}) == [("embeddings", None), ("resid_pre", 0)]
+    # a name the model serves is compared under that name only; its alias only where the model lacks it
+    assert names.our_addresses("embeddings", sites | {"embeddings"}) == [("embeddings", None)]
+    assert names.our_addresses("embeddings", sites | {"embeddings"}, served=sites) == [("embeddings", None),
+                                                                                       ("resid_pre", 0)]
 
 
 def test_every_alias_and_rule_names_a_real_site():
@@ -68,17 +70,12 @@ def test_heads_compare_flattened_and_a_changed_value_fails():
     assert names.judge("z.1", "z", torch.randn(2, 5, 4, 7), peer, _ctx({}, "z.1"))[0] == "SHAPE"
 
 
-def test_a_listed_difference_must_differ_and_ours_must_be_the_named_twin():
+def test_attn_out_is_the_raw_output_on_both_sides():
     raw, post = torch.randn(1, 4, 16), torch.randn(1, 4, 16)
-    peer = {"attn_out.0": raw, "attn_out_post.0": post}
-    ctx = _ctx(peer, "attn_out.0")
-    outcome, error, note = names.judge("attn_out.0", "attn_out", post, raw, ctx)  # ours is the contribution
-    assert outcome == "deliberate" and error > 1e-5 and "attn_out_post" in note
-    assert names.judge("attn_out.0", "attn_out", raw, raw, ctx)[0] == "STALE"  # ours became the raw output
-    assert names.judge("attn_out.0", "attn_out", torch.randn(1, 4, 16), raw, ctx)[0] == "DIFFERS"  # neither
-    same = {"attn_out.0": raw, "attn_out_post.0": raw}  # no post-norm: the rule does not apply
-    assert names.judge("attn_out.0", "attn_out", raw, raw, _ctx(same, "attn_out.0"))[0] == "agrees"
-    assert names.judge("attn_out.0", "attn_out", post, raw, _ctx(same, "attn_out.0"))[0] == "DIFFERS"
+    ctx = _ctx({"attn_out.0": raw, "attn_out_post.0": post}, "attn_out.0")
+    assert names.judge("attn_out.0", "attn_out", raw, raw, ctx)[0] == "agrees"
+    assert names.judge("attn_out.0", "attn_out", post, raw, ctx)[0] == "DIFFERS"  # no rule excuses it any more
+    assert not {("attn_out", "attn_out"), ("mlp_out", "mlp_out")} & set(names.DELIBERATE_BY_PAIR)
 
 
 def test_logits_after_the_softcap_against_lm_head_before_it():
@@ -87,6 +84,7 @@ def test_logits_after_the_softcap_against_lm_head_before_it():
     ctx = _ctx({"lm_head": lm_head}, "lm_head", final_logit_softcapping=30.0)
     assert names.judge("lm_head", "logits", capped, lm_head, ctx)[0] == "deliberate"
     assert names.judge("lm_head", "logits", lm_head, lm_head, ctx)[0] == "STALE"
+    assert names.judge("lm_head", "logits", torch.randn(1, 3, 11), lm_head, ctx)[0] == "DIFFERS"  # neither
     uncapped = _ctx({"lm_head": lm_head}, "lm_head", final_logit_softcapping=None)
     assert names.judge("lm_head", "logits", lm_head, lm_head, uncapped)[0] == "agrees"
     # the rule is about our logits: our own lm_head (same name) must equal the peer's, capped or not
@@ -116,3 +114,11 @@ def test_the_command_line(tmp_path):
     assert done.returncode == 0 and "--peer-venv" in done.stdout, done.stderr
     with pytest.raises(SystemExit, match="inside this checkout"):
         pp.ensure_peer_venv(pp.ROOT / "peer-venv")
+
+
+def test_a_shape_mismatch_is_excused_only_where_a_rule_applies():
+    ours, peer = torch.randn(2, 21, 128), torch.randn(168, 32)  # the peer's Qwen4-Exp final_norm: a gated norm
+    qwen4 = _ctx({"final_norm": peer}, "final_norm", model_type="qwen4_exp_text")
+    assert names.judge("final_norm", "final_norm", ours, peer, qwen4)[0] == "deliberate"
+    llama = _ctx({"final_norm": peer}, "final_norm", model_type="llama")
+    assert names.judge("final_norm", "final_norm", ours, peer, llama)[0] == "SHAPE"

@@ -55,9 +55,12 @@ _GEMMA3N_SITES = {
 ARCHS = (
     Arch("deepseek_v4", ("deepseek_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
     Arch("hy_v4", ("hy_v4",), _HYPER_CONNECTION_SITES, streams_config="hc_mult"),
+    # Qwen4-Exp's final norm is model.hyper_connection_mixer: it normalises the streams and collapses
+    # them into the one [b, p, d_model] row the unembedding reads (there is no model.norm)
     Arch("qwen4_exp", ("qwen4_exp_text",), _QWEN4_EXP_SITES, streams_config="hc_count",
-         refused={"ln_final_normalized": "Qwen4-Exp has no final norm module at model.norm: its hyper_connection_mixer "
-                                         "collapses the streams and normalises them in one module"}),
+         final_norm="model.hyper_connection_mixer",
+         refused={"ln_final_normalized": "Qwen4-Exp's final norm, its hyper_connection_mixer, normalises the streams "
+                                         "and collapses them in one module, so no output before a gain exists"}),
     Arch("gemma3n", ("gemma3n_text",), _GEMMA3N_SITES, streams_config="altup_num_inputs",
          vllm=vllm_reads.GEMMA3N),
 )

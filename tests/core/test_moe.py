@@ -13,6 +13,7 @@ import torch
 from interp_engine import Address, AddressError, RoutingError, expert_assignment, load_model, run_with_cache
 
 from ..devices import load_kwargs, on
+from ..oracles import assert_near
 
 from .. import tiny_moe
 
@@ -276,3 +277,23 @@ def test_deepseek_v4_hash_and_bias_corrected_routing(eager_models):
     chosen = scores.gather(-1, index)
     torch.testing.assert_close(_flat_real(cache, Address("expert_weights", 1)).double(),
                                chosen / chosen.sum(-1, keepdim=True) * config.routed_scaling_factor)
+
+
+def test_hy_v4_runs_transformers_own_eager_attention(eager_models, tiny_path):
+    """HY-V4's modeling code applies the indexer's top-k mask and its attention sinks only under
+    implementations literally named "eager" / "sdpa" (attention.NAME_BRANCHING): our capture must be
+    transformers' own eager forward (an independent load of it), from layer 0's attention on."""
+    from transformers import AutoModelForCausalLM
+
+    model = eager_models("hy_v4")
+    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_path("hy_v4")), attn_implementation="eager",
+                                                  dtype=torch.float32).to(model.device).eval()
+    tokens = model.to_tokens(["Hello there, sparse attention with sinks and a top-k index"])
+    seen = []
+    handle = oracle.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: seen.append(out[0]))
+    with torch.no_grad():
+        want = oracle(input_ids=on(model, tokens)).logits
+    handle.remove()
+    cache = run_with_cache(model, tokens, ["attn_out.0", "logits"])
+    assert_near(cache.get("attn_out", 0), seen[0], "HY-V4 attn_out.0 against transformers' eager attention", rel=1e-5)
+    assert_near(cache.get("logits"), want, "HY-V4 logits against transformers' eager forward", rel=1e-5)

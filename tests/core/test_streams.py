@@ -249,3 +249,19 @@ def test_gemma3n_attention_sites_on_kv_shared_layers(stream_model):
     batch, pos = cache.mask.nonzero(as_tuple=True)
     rows = cache.get("pattern", n - 1)[batch, :, pos]  # each real query row of each head
     torch.testing.assert_close(rows.sum(-1), torch.ones_like(rows.sum(-1)))
+
+
+@pytest.mark.parametrize("family", tiny_moe.STREAM_FAMILIES)
+def test_every_listed_model_level_point_is_captured_and_final_norm_feeds_the_unembedding(stream_model, family):
+    """A point the model lists must be capturable (Qwen4-Exp listed final_norm with no model.norm);
+    final_norm is what the unembedding reads: the model's own lm_head of it is the lm_head point."""
+    from interp_engine.points import valid_sites
+
+    model = stream_model(family)
+    listed = [s for s in ("embeddings", "final_norm", "lm_head", "logits", "ln_final_normalized")
+              if s in valid_sites(model.info, model.capabilities)]
+    assert {"final_norm", "lm_head"} <= set(listed), listed
+    cache = run_with_cache(model, model.to_tokens("Streams of thought"), listed)
+    with torch.no_grad():
+        unembedded = model.hf.lm_head(cache.get("final_norm").to(model.device))
+    torch.testing.assert_close(cache.get("lm_head"), unembedded.to(cache.get("lm_head").device))

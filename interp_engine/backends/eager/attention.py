@@ -12,6 +12,12 @@ forward the call.
 A model runs ``interp_sdpa`` by default; a call that asks for ``pattern`` switches it to
 ``interp_eager`` for that call only, since SDPA never forms the probabilities.
 
+Some families' modeling code branches on the implementation's literal name (HY-V4, DeepSeek-V3.2,
+GLM-MoE-DSA, GLM-5-Next, AXK2: the top-k index mask, attention sinks and the mask's form apply
+only under ``"eager"`` / ``"sdpa"``), so under a renamed one they compute another model. Those
+(:data:`NAME_BRANCHING`) always run under ``"eager"`` itself, their modeling module's eager
+function wrapped the way ``interp_eager`` wraps it (forwarding untouched when nothing listens).
+
 Written against transformers 5.19 (``AttentionInterface``, ``AttentionMaskInterface``).
 """
 
@@ -31,6 +37,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 SDPA = "interp_sdpa"
 EAGER = "interp_eager"
 
+#: transformers' model packages whose modeling code branches on the implementation's literal name
+NAME_BRANCHING = frozenset({"hy_v4", "deepseek_v32", "glm_moe_dsa", "glm5_next", "axk2"})
+
 # attention module -> callback(query, key, value, weights); weak so a dropped model frees itself
 _LISTENERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # attention module -> editor with .inputs(q, k, v) -> (q, k, v) and .weights(w) -> w or None
@@ -39,7 +48,8 @@ _EDITORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _family_eager(module) -> Callable:
     """The family's own eager attention function (it knows its softcapping and scaling)."""
-    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    family = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return getattr(family, "__wrapped__", family)  # the original under a NAME_BRANCHING wrapper
 
 
 def _notify(module, query, key, value, weights, scores=None):
@@ -98,9 +108,35 @@ def _register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER, eager_mask)
 
 
+def _name_branching_modules(hf_model) -> set:
+    """The model's modeling modules that belong to a :data:`NAME_BRANCHING` package."""
+    names = {type(module).__module__ for module in hf_model.modules()}
+    return {sys.modules[n] for n in names
+            if n.startswith("transformers.models.") and n.split(".")[2] in NAME_BRANCHING}
+
+
+def _wrap_eager(modeling) -> None:
+    """Route ``modeling``'s eager attention function through ``_interp_eager`` (once)."""
+    original = getattr(modeling, "eager_attention_forward", None)
+    if original is None or hasattr(original, "__wrapped__"):
+        return
+
+    def eager_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        return _interp_eager(module, query, key, value, attention_mask, **kwargs)
+
+    eager_attention_forward.__wrapped__ = original
+    modeling.eager_attention_forward = eager_attention_forward
+
+
 def set_implementation(hf_model, name: str) -> None:
-    """Point every config in the model at the attention implementation ``name``."""
+    """Point every config in the model at the attention implementation ``name`` (at ``"eager"``
+    itself, wrapped, for the :data:`NAME_BRANCHING` families)."""
     _register()
+    branching = _name_branching_modules(hf_model)
+    if branching and name in (SDPA, EAGER):
+        for modeling in branching:
+            _wrap_eager(modeling)
+        name = "eager"
     for module in hf_model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):

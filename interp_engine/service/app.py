@@ -9,6 +9,7 @@ import dataclasses
 import secrets
 
 from ..errors import InputError
+from ..scalars import integer
 from .http_guard import MAX_ONGOING, MAX_QUEUED, RETRY_AFTER_S
 from .limits import Limits
 
@@ -85,17 +86,18 @@ def build(args: dict):
 
 def scaling_of(replicas, min_replicas, max_replicas) -> dict:
     """Serve's ``num_replicas``, or its autoscaling between ``min_replicas`` and ``max_replicas`` by queue length."""
-    def positive(value, what):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    def positive(value, what) -> int:
+        number = integer(value)
+        if number is None or number < 1:
             raise InputError(f"{what} must be a positive int, got {value!r}")
+        return number
 
     if min_replicas is None and max_replicas is None:
-        positive(replicas, "replicas")
-        return {"num_replicas": replicas}
+        return {"num_replicas": positive(replicas, "replicas")}
     low = replicas if min_replicas is None else min_replicas
     high = max_replicas if max_replicas is not None else low
-    positive(low, "min_replicas")
-    positive(high, "max_replicas")
+    low = positive(low, "min_replicas")
+    high = positive(high, "max_replicas")
     if high < low:
         raise InputError(f"max_replicas={high} is below min_replicas={low}")
     return {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "initial_replicas": low,

@@ -17,6 +17,7 @@ import dataclasses
 from ..address import SITES, Address, FeatureAddress
 from ..points import ModelInfo
 from ..errors import LimitExceeded
+from ..scalars import integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +55,10 @@ class Limits:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            number = integer(value)
+            if number is None or number < 1:
                 raise ValueError(f"Limits.{field.name} must be a positive int, got {value!r}")
+            object.__setattr__(self, field.name, number)  # np.int64(8), torch.tensor(8): a plain int
 
     def refuse(self, limit: str, asked, fix: str) -> LimitExceeded:
         return LimitExceeded(f"the request asks for {asked}, over this service's limit {limit}="

@@ -116,3 +116,21 @@ def test_an_edit_decoded_from_data_without_its_value_is_refused_by_name(data, wo
         edit_from_worker(data)
     vector = torch.ones(4)
     assert torch.equal(edit_from_worker({"kind": "add", "vector": vector}).vector, vector)  # shape, scale: defaults
+
+
+def test_service_limits_and_replica_counts_take_numbers_in_any_form():
+    """Limits and the replica counts of serve() read numbers as the rest of the API does: a numpy
+    integer or a 0-d tensor is the plain int it holds (what /info then publishes as JSON); bools and
+    fractions are refused."""
+    from interp_engine.service import Limits
+    from interp_engine.service.app import scaling_of
+
+    limits = Limits(max_prompts=np.int64(8), max_tokens=torch.tensor(512))
+    assert (limits.max_prompts, limits.max_tokens) == (8, 512) and type(limits.max_prompts) is int
+    assert scaling_of(torch.tensor(2), None, None) == {"num_replicas": 2}
+    assert scaling_of(np.int32(1), None, np.int64(3))["autoscaling_config"]["max_replicas"] == 3
+    for bad in (True, 2.5, torch.tensor(2.5), torch.ones(2)):
+        with pytest.raises(ValueError, match="max_prompts must be a positive int"):
+            Limits(max_prompts=bad)
+        with pytest.raises(InputError, match="replicas must be a positive int"):
+            scaling_of(bad, None, None)

@@ -18,6 +18,7 @@ SMOKE = {
     "eager_capture.py": (["--reps", "1", "--warmup", "0", "--batch", "1", "--seq", "8"], "ratios to `plain`"),
     "dataset_formats.py": (["--prompts", "2"], "(bytes/value)"),
     "features.py": (["--parts", "dashboard", "--prompts", "2", "--reps", "1"], '"tokens_per_s"'),
+    "stream.py": (["--reps", "1", "--prompts", "2"], "stream / prefill rate"),
 }
 #: script -> why the suite does not run it (each takes a vLLM engine, a Ray cluster or both, 30 s to minutes)
 NOT_HERE = {
@@ -26,9 +27,12 @@ NOT_HERE = {
     "edits_vllm.py": "a SmolLM2 vLLM engine", "positions_vllm.py": "a SmolLM2 vLLM engine",
     "build_throughput.py": "vLLM engines and a Ray cluster", "cluster_dataset.py": "Ray clusters of replicas",
     "dataset_scale.py": "a Ray cluster of replicas", "service.py": "a Ray Serve deployment",
+    "service_connect.py": "a Ray Serve deployment",
+    "peer_points.py": "the peer engine in a venv of its own (tests/test_peer_points.py runs its pure parts)",
+    "peer_side.py": "runs inside the peer engine's venv, started by peer_points.py",
 }
 #: modules the benchmarks import, not scripts
-HELPERS = {"timing.py", "rss.py"}
+HELPERS = {"timing.py", "rss.py", "peer_names.py"}
 
 
 def test_every_benchmark_is_in_one_table():

@@ -146,7 +146,8 @@ def _beside(config: Path, sae):
     """A ``saes:`` entry with a relative path made relative to the config's folder."""
     entry = {"path": sae} if isinstance(sae, str) else sae
     if isinstance(entry, dict) and isinstance(entry.get("path"), str) and not Path(entry["path"]).expanduser().is_absolute():
-        return {**entry, "path": str(config.parent / entry["path"])}
+        # absolute, so that a job that joins its own base folder (feature_dashboard.py) keeps it
+        return {**entry, "path": str(config.parent.resolve() / Path(entry["path"]).expanduser())}
     return sae
 
 

@@ -56,6 +56,22 @@ class RayTransport:
             return Lost(f"it is unavailable ({err.message})")
         return None
 
+    def _retryable(self, err: Exception) -> Lost:
+        """What a failed reply means: a :class:`Lost` to send again after, or raised: the
+        replica's own error as the user's error, anything else as it is."""
+        from ray.exceptions import RayTaskError
+
+        if isinstance(err, RayTaskError):
+            cause = getattr(err, "cause", None)
+            lost = self._lost(cause) if isinstance(cause, BaseException) else None
+            if lost is None:
+                raise errors.user_error(err) from None
+            return lost
+        lost = self._lost(err)
+        if lost is None:
+            raise err
+        return lost
+
     def check_alive(self) -> None:
         """Raise ``ServiceError`` when the service is no longer deployed on the cluster (a Serve
         controller that cannot answer now, e.g. while it restarts, proves nothing: no error)."""
@@ -102,8 +118,6 @@ class RayTransport:
         return self._call(method, args)
 
     def _call(self, method: str, args: tuple, deadline: float | None = None):
-        from ray.exceptions import RayTaskError
-
         what = f"{method} on service {self.name!r}"
         retry = Retry(what, self.retry_timeout, deadline)
         while True:
@@ -113,14 +127,8 @@ class RayTransport:
             except KeyboardInterrupt:
                 response.cancel()
                 raise
-            except RayTaskError as err:
-                lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
-                if lost is None:
-                    raise errors.user_error(err) from None
             except Exception as err:
-                lost = self._lost(err)
-                if lost is None:
-                    raise
+                lost = self._retryable(err)
             self.check_alive()
             retry.wait(lost)
             self.resent += 1
@@ -148,22 +156,14 @@ class RayTransport:
             raise
 
     async def acall(self, method: str, *args):
-        from ray.exceptions import RayTaskError
-
         what = f"{method} on service {self.name!r}"
         retry = Retry(what, self.retry_timeout)
         while True:
             response = self._send(method, args)
             try:
                 return await self._aresult(response, what, min(time.monotonic() + self.timeout, retry.deadline))
-            except RayTaskError as err:
-                lost = self._lost(err.cause) if isinstance(getattr(err, "cause", None), BaseException) else None
-                if lost is None:
-                    raise errors.user_error(err) from None
             except Exception as err:
-                lost = self._lost(err)
-                if lost is None:
-                    raise
+                lost = self._retryable(err)
             await asyncio.to_thread(self.check_alive)
             await retry.await_(lost)
             self.resent += 1
@@ -180,7 +180,7 @@ class RayTransport:
     def dictionaries(self, plan) -> list:
         """``[(key, object ref)]`` of a call's dictionaries, each put in the object store once; a
         replica fetches and keeps each by key, as a cluster replica does."""
-        from ..wire import put_dictionaries
+        from ..features.transfer import put_dictionaries
 
         return put_dictionaries(plan, self.__dict__.setdefault("_dictionaries", {}))
 

@@ -24,7 +24,8 @@ from interp_engine.features.dictionary import Dictionary
 from interp_engine.model import CaptureModel
 from interp_engine.request import Points
 
-from interp_engine.wire import (CaptureReply, GenerationReply, Packed, dictionary_from_replica, edits_from_replica,
+from interp_engine.features.transfer import dictionary_from_replica
+from interp_engine.wire import (CaptureReply, GenerationReply, Packed, edits_from_replica,
                                 pack_dict)
 
 

@@ -99,7 +99,7 @@ def plain_generate(model, batch, new_tokens, detokenize=True):
 def plain_loop(model, batch, new_tokens):
     # The backend's engine thread with jobs that register no points: plain generation through
     # the same driver the captures use (internal API, benchmark only).
-    from interp_engine.backends.vllm.model import _sampling_params
+    from interp_engine.backends.vllm.sampling import sampling_params as _sampling_params
     from interp_engine.backends.vllm.loop import Job
     from interp_engine.model import Sampling
 

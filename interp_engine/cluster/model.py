@@ -21,7 +21,8 @@ from ..cache import Cache
 from ..errors import ClusterError, InputError, ShardFailed, user_error
 from ..scalars import integer
 from ..dtypes import dtype_name
-from ..wire import edits_for_replica, put_dictionaries, unpack_dict
+from ..features.transfer import put_dictionaries
+from ..wire import edits_for_replica, unpack_dict
 from ..capabilities import backend_class
 from ..model import CaptureModel, Completion
 from ..request import Request

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 
-#: a dictionary's weights, as :func:`interp_engine.wire.dictionary_for_worker` sends them
+#: a dictionary's weights, as :func:`interp_engine.features.transfer.dictionary_for_worker` sends them
 TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")
 
 

@@ -161,7 +161,7 @@ MISSING = "dictionaries"
 def dictionary_to_json(dictionary) -> str:
     """A :class:`~interp_engine.features.Dictionary` as the base64 of one safetensors file: its
     tensors in their own dtypes, its options and addresses in the header's metadata."""
-    from ..wire import dictionary_for_worker
+    from ..features.transfer import dictionary_for_worker
 
     data = dictionary_for_worker(dictionary)
     metadata = {"format": DICTIONARY_FORMAT, "key": data["key"], "options": json.dumps(data["options"]),
@@ -172,7 +172,7 @@ def dictionary_to_json(dictionary) -> str:
 def dictionary_from_json(text: str, key: str):
     """The :class:`~interp_engine.features.Dictionary` :func:`dictionary_to_json` wrote; an
     ``InputError`` naming what is wrong unless it is well formed and its content is what ``key`` names."""
-    from ..wire import dictionary_from_worker
+    from ..features.transfer import dictionary_from_worker
 
     where = f"dictionaries[{shown(key)}]"
     try:

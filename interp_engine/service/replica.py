@@ -62,7 +62,7 @@ class _Core(ReplicaCore):
         each rebuilt once and kept in :attr:`held` while it fits; a call keeps using those it was
         given even where newer ones pushed them out."""
         from ..features.dictionary import Dictionary
-        from ..wire import dictionary_from_replica
+        from ..features.transfer import dictionary_from_replica
 
         if not saes:
             return None

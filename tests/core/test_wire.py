@@ -90,8 +90,8 @@ def test_values_per_row_are_cut_with_the_rows():
 def test_a_dictionary_and_its_work_cross_as_tensors_and_come_back_equal():
     from interp_engine import Set, Zero
     from interp_engine.features.plan import plan_features
-    from interp_engine.wire import (dictionary_for_worker, dictionary_from_worker, features_for_worker,
-                                    features_from_worker)
+    from interp_engine.features.transfer import (dictionary_for_worker, dictionary_from_worker, features_for_worker,
+                                                 features_from_worker)
 
     from .. import sparse_dicts as sd
 

@@ -25,7 +25,7 @@ from interp_engine import run_with_cache
 from interp_engine.errors import DictionaryError
 from interp_engine.features import Dictionary, load_dictionary
 from interp_engine.service import http_wire
-from interp_engine.wire import dictionary_for_worker
+from interp_engine.features.transfer import dictionary_for_worker
 
 from .. import sparse_dicts as sd
 from ..oracles import assert_same

@@ -16,7 +16,7 @@ import torch
 
 from interp_engine import Add, capture_generation, load_model, run_with_cache
 from interp_engine.backends.vllm.loop import Job, run_on_loop
-from interp_engine.backends.vllm.model import _sampling_params
+from interp_engine.backends.vllm.sampling import sampling_params as _sampling_params
 
 from ..oracles import assert_near
 

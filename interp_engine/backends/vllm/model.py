@@ -37,46 +37,22 @@ from interp_engine.archs import SAME_AS, arch_for, has_record, model_info, unser
 from interp_engine.cache import Cache
 from interp_engine.capabilities import Capabilities
 from interp_engine.edit_directions import DIRECTIONAL
-from interp_engine.model import CaptureModel, Completion, Sampling
+from interp_engine.model import CaptureModel, Completion
 from interp_engine.positions import Selection, held_positions
 from interp_engine.request import Request
 from interp_engine.tokens import Tokenizer, fed_tokens
 from interp_engine.errors import InputError, InternalError, UnsupportedModel
 from interp_engine.unembedding import FetchedUnembedding, UnembedWeights
-from interp_engine.wire import WorkerRequest, dictionary_for_worker, edit_for_worker, features_for_worker
+from interp_engine.features.transfer import dictionary_for_worker, features_for_worker
+from interp_engine.wire import WorkerRequest, edit_for_worker
 from interp_engine.features.sparse import SparseRows
 from ..heads import split_heads
 from .engine import engine_options, memory_defaults, quiet_start, start_engine, stop_engine
 from .loop import EngineLoop, Finished, Job, run_on_loop
 from .limits import check_limits
 from .prefix import OwnBlocks, first_needed
+from .sampling import sampling_params, scores
 
-def _sampling_params(options: Sampling | None):
-    from vllm import SamplingParams
-
-    if options is None:  # a prefill only: one token is sampled and thrown away
-        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    return SamplingParams(
-        max_tokens=options.max_tokens,
-        temperature=options.temperature,
-        top_p=options.top_p,
-        top_k=options.top_k,
-        seed=options.seed,
-        ignore_eos=not options.stop_at_eos,
-        logprobs=options.top_logprobs,  # 0: the sampled token's own (raw: before temperature)
-    )
-
-
-def _scores(steps, generated: list[int], top: int) -> tuple[list[float], list[dict[int, float]] | None]:
-    """The sampled tokens' logprobs and each step's ``top`` most likely tokens (by vLLM's rank),
-    from vLLM's per-step ``{token id: Logprob}`` (the sampled token is always among them)."""
-    steps = [steps[i] for i in range(len(generated))]
-    logprobs = [float(step[token].logprob) for step, token in zip(steps, generated)]
-    if not top:
-        return logprobs, None
-    tops = [{t: float(p.logprob) for t, p in sorted(step.items(), key=lambda item: item[1].rank)
-             if p.rank is not None and p.rank <= top} for step in steps]
-    return logprobs, tops
 
 
 class VllmModel(FetchedUnembedding, CaptureModel):
@@ -202,7 +178,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
                 None if positions is None else positions.after[0],
                 {str(a): [edit_for_worker(p) for p in chain] for a, chain in edits.items()} if edits else None,
                 self._features_for_worker(features) if features is not None else None)
-            job = Job(tokens[0].tolist(), _sampling_params(options), request, layers, first_needed(request))
+            job = Job(tokens[0].tolist(), sampling_params(options), request, layers, first_needed(request))
             return self._loop.submit(job)
 
     def _check_sharded_edits(self, edits) -> None:
@@ -292,7 +268,7 @@ class VllmModel(FetchedUnembedding, CaptureModel):
         out = finished.output.outputs[0]
         generated = list(out.token_ids)
         completion = Completion(self.tok.decode(generated), generated, out.finish_reason or "",
-                                *_scores(out.logprobs, generated, top))
+                                *scores(out.logprobs, generated, top))
         fed = fed_tokens(tokens, generated)
         return completion, self._cache(finished, fed, addresses, positions, tokens.shape[1])
 
@@ -333,7 +309,6 @@ class VllmModel(FetchedUnembedding, CaptureModel):
             pieces.append(rows)
         tensor = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
         return split_heads(address.name, tensor, self.info)[None]
-
 
     @staticmethod
     def _assemble_features(point: FeatureAddress, item: dict, wanted: torch.Tensor) -> torch.Tensor:

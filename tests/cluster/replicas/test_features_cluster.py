@@ -19,7 +19,7 @@ PROMPTS = ["The quick brown fox", "jumps", "over the lazy dog again", "!!", "and
 
 
 def test_cluster_features_and_edits_equal_local(cluster_llama, eager_models, monkeypatch):
-    from interp_engine import wire
+    from interp_engine.features import transfer as wire
 
     local = eager_models("llama")
     tokens = local.tok.to_tokens(PROMPTS)

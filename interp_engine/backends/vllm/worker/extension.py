@@ -64,7 +64,7 @@ class CaptureExtension:
         self._interp_recorder().register({rid: WorkerRequest.from_rpc(data) for rid, data in requests.items()})
 
     def interp_add_dictionary(self, data: dict) -> None:
-        """Keep a sparse dictionary (:func:`interp_engine.wire.dictionary_for_worker`'s data) on this
+        """Keep a sparse dictionary (:func:`interp_engine.features.transfer.dictionary_for_worker`'s data) on this
         worker's device under its content key, for the requests that will name it."""
         self._interp_recorder().features.add_dictionary(data)
 

@@ -3,7 +3,7 @@ the flat batch, in the hook that produces them; only the active features leave t
 
 A dictionary reaches the worker once (``interp_add_dictionary``: its tensors, kept on the
 worker's device under its content key, until ``interp_drop_dictionary``); a request names the dictionaries it uses and what it
-asks of each (:func:`interp_engine.wire.features_for_worker`). In each forward, at each site a
+asks of each (:func:`interp_engine.features.transfer.features_for_worker`). In each forward, at each site a
 registered request's dictionary reads or writes, the request's rows ``[s, e)`` (contiguous
 positions from ``positions[s]``: a prefill or a decode step) run through the same per-dictionary
 step as on the eager backend (:class:`interp_engine.features.run.DictionaryStep`): features
@@ -32,7 +32,8 @@ from interp_engine.address import Address, FeatureAddress
 from interp_engine.features.plan import Attached, sparse_point
 from interp_engine.features.run import DictionaryStep, steps_at
 from interp_engine.features.sparse import SparseRows
-from interp_engine.wire import WorkerRequest, dictionary_from_worker, features_from_worker
+from interp_engine.features.transfer import dictionary_from_worker, features_from_worker
+from interp_engine.wire import WorkerRequest
 
 
 class FeatureBook:
